@@ -1,0 +1,27 @@
+"""memopt's compiler side: a ``torch.compile`` backend that rewrites memory-hungry subgraphs.
+
+    model = torch.compile(model, backend="memopt")                 # via the entry point
+    model = torch.compile(model, backend=fxpass.memopt_backend, options={"debug_dir": "memopt_debug"})
+    print(fxpass.explain(step, batch))                             # what would be rewritten, and why
+"""
+
+from fxpass.backend import MemoptBackend, memopt_backend
+from fxpass.config import Config, ConfigError
+from fxpass.explain import Explanation, explain
+from fxpass.report import GraphReport, RewriteRecord, clear_reports, reports
+from fxpass.rewrite import RewriteFailedWarning, rewrite_graph
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "Explanation",
+    "GraphReport",
+    "MemoptBackend",
+    "RewriteFailedWarning",
+    "RewriteRecord",
+    "clear_reports",
+    "explain",
+    "memopt_backend",
+    "reports",
+    "rewrite_graph",
+]

@@ -1,0 +1,115 @@
+"""The ``torch.compile`` backend: rewrite Dynamo's graph before AOTAutograd, then compile it.
+
+The rewrite must happen before AOTAutograd because two of memopt's rewrites change what autograd saves for
+backward; after AOTAutograd the saved set is fixed. ``torch.compile(model, backend="memopt")`` finds this
+module through the ``torch_dynamo_backends`` entry point; nothing here registers the name in code (doing
+both raises "duplicate name" in Dynamo's registry).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxpass.config import Config, ConfigError
+from fxpass.report import GraphReport, publish, tracing_enabled
+from fxpass.rewrite import rewrite_graph
+
+log = logging.getLogger(__name__)
+
+
+def split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Separate memopt's keys from Inductor config keys; reject keys that are neither."""
+    from torch._inductor import config as inductor_config
+
+    inductor_keys = set(inductor_config.get_config_copy())
+    ours, inductor = {}, {}
+    for key, value in (options or {}).items():
+        if key in Config.option_names():
+            ours[key] = value
+        elif key.replace("-", "_") in inductor_keys:
+            inductor[key] = value
+        else:
+            close = difflib.get_close_matches(key, [*Config.option_names(), *inductor_keys], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"unknown option {key!r}{hint} (memopt options: {', '.join(Config.option_names())}; "
+                "other keys must be Inductor config names)"
+            )
+    return ours, inductor
+
+
+class MemoptBackend:
+    """One configured backend: ``MemoptBackend(options={...})`` is usable as ``torch.compile(backend=...)``.
+
+    Args:
+        mode: torch.compile's mode ("reduce-overhead", "max-autotune", ...), applied to Inductor.
+        options: memopt keys (see ``Config``) and Inductor config keys, as in ``torch.compile(options=)``.
+        sink: called with each graph's report (``fxpass.explain`` collects reports this way).
+        keep_code: render the graph code before and after rewriting even without a debug dir or trace.
+    """
+
+    def __init__(
+        self,
+        mode: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        *,
+        sink: Callable[[GraphReport], None] | None = None,
+        keep_code: bool = False,
+    ) -> None:
+        memopt_options, self.inductor_options = split_options(options)
+        self.config = Config.from_options(memopt_options)
+        self.mode = mode
+        self.sink = sink
+        self.keep_code = keep_code
+        self._inductor = None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        keep_code = self.keep_code or bool(self.config.debug_dir) or tracing_enabled()
+        report = rewrite_graph(gm, self.config, keep_code=keep_code)
+        if self.sink is not None:
+            report.graph_module = gm
+            self.sink(report)
+        publish(report, self.config.debug_dir)
+        return self._compile(gm, example_inputs)
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        inner = self.config.inner_compiler
+        if inner == "eager":
+            return gm.forward
+        if inner == "aot_eager":
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend("aot_eager")(gm, example_inputs)
+        if self._inductor is None:
+            # Inductor's own wrapper applies ``mode`` and validates config keys exactly as torch.compile does.
+            self._inductor = torch._TorchCompileInductorWrapper(self.mode, self.inductor_options, dynamic=None)
+        return self._inductor(gm, example_inputs)
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()``: drop CUDA-graph trees recorded under reduce-overhead."""
+        if self._inductor is not None:
+            self._inductor.reset()
+
+
+def memopt_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None, options: Mapping[str, Any] | None = None
+) -> Callable:
+    """``torch.compile(model, backend=memopt_backend, mode=..., options={...})`` or ``backend="memopt"``."""
+    return MemoptBackend(mode, options)(gm, example_inputs)
+
+
+def _reset() -> None:
+    """Called by ``torch._dynamo.reset()``; the function form cannot know the mode, so reset when CUDA is up."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+
+
+memopt_backend.reset = _reset  # type: ignore[attr-defined]

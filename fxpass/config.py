@@ -1,0 +1,125 @@
+"""Backend configuration: memopt's own keys, read from ``torch.compile(options=...)`` and the environment.
+
+Two routes exist because HF Trainer and other string-only users can name a backend but cannot pass options;
+environment variables are their route. Explicit options win over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
+INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+
+ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
+ENV_DISABLE = "MEMOPT_DISABLE"
+ENV_STRICT = "MEMOPT_STRICT"
+ENV_INNER = "MEMOPT_INNER_COMPILER"
+ENV_MIN_SAVED = "MEMOPT_MIN_SAVED_BYTES"
+ENV_FORCE = "MEMOPT_FORCE"
+
+
+class ConfigError(ValueError):
+    """A memopt option or environment variable has a value memopt cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What the backend does for one ``torch.compile`` call.
+
+    Attributes:
+        inner_compiler: compiler run on the rewritten graph: "inductor" (default), or "aot_eager" / "eager"
+            to debug a rewrite without Inductor in the way.
+        debug_dir: if set, each compiled graph writes before.py, after.py, report.json and report.md under it.
+        disable: rules that must not run (names from ``RULE_NAMES``).
+        strict: re-raise a rule's exception instead of warning and leaving the graph as it was (tests).
+        min_saved_bytes: a rewrite applies only if it frees at least this many bytes.
+        force: apply every rewrite that is possible even where the memory model says it does not pay
+            (to debug a rewrite at toy sizes; the report says the decision was forced).
+    """
+
+    inner_compiler: str = "inductor"
+    debug_dir: str | None = None
+    disable: frozenset[str] = frozenset()
+    strict: bool = False
+    min_saved_bytes: int = 1 << 20
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        if self.inner_compiler not in INNER_COMPILERS:
+            raise ConfigError(f"inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
+        unknown = set(self.disable) - set(RULE_NAMES)
+        if unknown:
+            raise ConfigError(f"cannot disable unknown rules {sorted(unknown)}; rules are {RULE_NAMES}")
+        if self.min_saved_bytes < 0:
+            raise ConfigError(f"min_saved_bytes must be >= 0, got {self.min_saved_bytes}")
+
+    def rule_enabled(self, name: str) -> bool:
+        return name not in self.disable
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> Config:
+        """Build a config from memopt keys in ``options`` over values from ``env`` (default ``os.environ``).
+
+        ``options`` must hold only memopt keys; the backend splits Inductor keys off before calling this.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = _from_env(env)
+        for key, value in (options or {}).items():
+            if key not in cls.option_names():
+                raise ConfigError(_unknown_key_message(key, cls.option_names()))
+            values[key] = value
+        if "disable" in values:
+            values["disable"] = _parse_rule_list(values["disable"])
+        return cls(**values)
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    if env.get(ENV_DEBUG_DIR):
+        values["debug_dir"] = env[ENV_DEBUG_DIR]
+    if env.get(ENV_DISABLE):
+        values["disable"] = env[ENV_DISABLE]
+    if env.get(ENV_STRICT):
+        values["strict"] = _parse_bool(ENV_STRICT, env[ENV_STRICT])
+    if env.get(ENV_FORCE):
+        values["force"] = _parse_bool(ENV_FORCE, env[ENV_FORCE])
+    if env.get(ENV_INNER):
+        values["inner_compiler"] = env[ENV_INNER]
+    if env.get(ENV_MIN_SAVED):
+        try:
+            values["min_saved_bytes"] = int(env[ENV_MIN_SAVED])
+        except ValueError as e:
+            raise ConfigError(f"{ENV_MIN_SAVED} must be an integer, got {env[ENV_MIN_SAVED]!r}") from e
+    return values
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name} must be 0/1/true/false, got {text!r}")
+
+
+def _parse_rule_list(value: str | Any) -> frozenset[str]:
+    if isinstance(value, str):
+        return frozenset(part.strip() for part in value.split(",") if part.strip())
+    return frozenset(value)
+
+
+def _unknown_key_message(key: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown memopt option {key!r}{hint} (memopt options: {', '.join(known)})"

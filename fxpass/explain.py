@@ -1,0 +1,58 @@
+"""``fxpass.explain``: what memopt would rewrite in a function, without running Inductor.
+
+In the spirit of ``torch._dynamo.explain``: the function runs once under ``torch.compile`` with memopt's
+rewrites and an eager inner compiler, and the reports and rewritten graphs come back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from fxpass.backend import MemoptBackend
+from fxpass.report import GraphReport, RewriteRecord
+
+
+@dataclasses.dataclass
+class Explanation:
+    """Reports of every graph Dynamo captured, in capture order; ``result`` is what the function returned."""
+
+    graphs: list[GraphReport]
+    result: Any = None
+
+    @property
+    def records(self) -> list[RewriteRecord]:
+        return [record for graph in self.graphs for record in graph.records]
+
+    @property
+    def applied(self) -> list[RewriteRecord]:
+        return [record for record in self.records if record.applied]
+
+    def __str__(self) -> str:
+        if not self.graphs:
+            return "memopt: Dynamo captured no graph"
+        return "\n\n".join(graph.summary() for graph in self.graphs)
+
+
+def explain(
+    fn: Callable,
+    *args: Any,
+    options: Mapping[str, Any] | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    **kwargs: Any,
+) -> Explanation:
+    """Run ``fn(*args, **kwargs)`` once under memopt's rewrites and return what was decided.
+
+    ``options`` are memopt options (as for ``torch.compile``); the inner compiler is forced to "eager".
+    """
+    graphs: list[GraphReport] = []
+    backend = MemoptBackend(
+        options={**(options or {}), "inner_compiler": "eager"}, sink=graphs.append, keep_code=True
+    )
+    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    result = compiled(*args, **kwargs)
+    return Explanation(graphs, result)

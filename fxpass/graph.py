@@ -1,0 +1,256 @@
+"""Queries and edits on Dynamo's torch-IR graph, shared by every rule.
+
+Dynamo graphs name ops in three ways (``call_function`` on a Python function or builtin, ``call_method`` with
+a string target, ``getattr`` on a tensor), so "is this a view?" questions live here once rather than in each
+rule. Edits keep ``meta["example_value"]`` filled (computed with the graph's own fake mode, not
+``detect_fake_mode()``, which returns a second mode that cannot mix with the first) and carry the user's
+``stack_trace`` onto new nodes so reports and Inductor's comments still point at user code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import operator
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+# Metadata worth carrying from a replaced node to the nodes that replace it.
+_CARRIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+def example_value(node: Any) -> Any:
+    """The fake value Dynamo recorded for ``node``; constants and non-nodes are returned as they are."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value")
+    return node
+
+
+def tensor_value(node: Any) -> torch.Tensor | None:
+    value = example_value(node)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def is_call(node: fx.Node, *targets: Any) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def is_method(node: fx.Node, *names: str) -> bool:
+    return node.op == "call_method" and node.target in names
+
+
+def bind_args(node: fx.Node, names: Sequence[str], defaults: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Bind a call's positional and keyword args to parameter ``names`` (builtins have no signature).
+
+    Returns None if the call passes more positional args than ``names`` or an unknown or duplicate keyword.
+    """
+    if len(node.args) > len(names):
+        return None
+    bound = dict(defaults or {})
+    bound.update(zip(names, node.args, strict=False))
+    for key, value in node.kwargs.items():
+        if key not in names or names.index(key) < len(node.args):
+            return None
+        bound[key] = value
+    return bound
+
+
+# --- view-like ops: ops that move, cast or reshape a tensor without computing on its values ---------------
+
+
+class ViewKind(enum.Enum):
+    CAST = "cast"  # dtype change: .float(), .to(dtype), .type(dtype)
+    COPY = "copy"  # same values: .contiguous(), .clone()
+    RESHAPE = "reshape"  # view/reshape/flatten
+    INDEX = "index"  # getitem with slices, ints, ellipsis or index tensors
+
+
+_CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def view_kind(node: fx.Node) -> ViewKind | None:
+    """How ``node`` relates its output to its first input, if it only moves or casts values."""
+    if node.op == "call_method":
+        if node.target in _CAST_METHODS:
+            return ViewKind.CAST
+        if node.target in ("to", "type") and _is_dtype_only_conversion(node):
+            return ViewKind.CAST
+        if node.target in ("contiguous", "clone"):
+            return ViewKind.COPY
+        if node.target in ("view", "reshape", "flatten") and not _is_dtype_view(node):
+            return ViewKind.RESHAPE
+        return None
+    if node.op == "call_function":
+        if node.target in (torch.reshape, torch.flatten):
+            return ViewKind.RESHAPE
+        if node.target is operator.getitem and tensor_value(node.args[0]) is not None:
+            return ViewKind.INDEX
+    return None
+
+
+def _is_dtype_only_conversion(node: fx.Node) -> bool:
+    """``x.to(...)`` / ``x.type(...)`` that changes at most the dtype, not the device or layout."""
+    src, out = tensor_value(node.args[0]), tensor_value(node)
+    if src is None or out is None:
+        return False
+    return src.device == out.device and src.layout == out.layout and out.shape == src.shape
+
+
+def _is_dtype_view(node: fx.Node) -> bool:
+    """``x.view(torch.int8)`` reinterprets bytes; it is not a reshape."""
+    return any(isinstance(a, torch.dtype) for a in (*node.args[1:], *node.kwargs.values()))
+
+
+def is_param_transpose(node: fx.Node) -> bool:
+    """``W.T``, ``W.t()``, ``torch.t(W)``, ``W.transpose(0, 1)``, ``W.permute(1, 0)`` on a 2-D tensor."""
+    src = tensor_value(node.args[0]) if node.args else None
+    if src is None or src.dim() != 2:
+        return False
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] in ("T", "mT", "H") and not src.is_complex()
+    if is_call(node, torch.t) or is_method(node, "t"):
+        return True
+    if is_method(node, "transpose") or is_call(node, torch.transpose):
+        dims = {d % 2 for d in node.args[1:3]}
+        return dims == {0, 1}
+    if is_method(node, "permute"):
+        order = node.args[1] if len(node.args) == 2 else node.args[1:]
+        return tuple(d % 2 for d in order) == (1, 0)
+    return False
+
+
+# --- the graph as a whole ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GraphFacts:
+    """Use-def facts about one graph, computed once per rule pass."""
+
+    gm: fx.GraphModule
+
+    @functools.cached_property
+    def dataflow(self) -> nx.DiGraph:
+        """Edges from each node to its users (the graph's dataflow, for reachability queries)."""
+        graph = nx.DiGraph()
+        for node in self.gm.graph.nodes:
+            graph.add_node(node)
+            graph.add_edges_from((node, user) for user in node.users)
+        return graph
+
+    @functools.cached_property
+    def output(self) -> fx.Node:
+        return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
+
+    def users(self, node: fx.Node) -> list[fx.Node]:
+        return list(node.users)
+
+    def is_returned(self, node: fx.Node) -> bool:
+        """``node`` itself is one of the graph's outputs."""
+        return node in self.output.all_input_nodes
+
+    def reaches_output(self, node: fx.Node) -> bool:
+        return nx.has_path(self.dataflow, node, self.output)
+
+    def outside_users(
+        self, nodes: Iterable[fx.Node], inside: Iterable[fx.Node] = ()
+    ) -> list[tuple[fx.Node, fx.Node]]:
+        """(node, user) pairs where a user of ``nodes`` lies outside ``nodes`` and ``inside``."""
+        nodes = list(nodes)
+        region = {*nodes, *inside}
+        return [(n, u) for n in nodes for u in n.users if u not in region]
+
+
+def source_location(node: fx.Node) -> str | None:
+    """``file:line`` of the innermost user frame that created ``node``."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    frames = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    if not frames:
+        return None
+    file, line = frames[-1]
+    return f"{file}:{line}"
+
+
+def describe_node(node: fx.Node) -> str:
+    """``name = target(...)`` at file:line, for reasons in reports."""
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    where = source_location(node)
+    return f"{node.name} ({node.op} {target})" + (f" at {where}" if where else "")
+
+
+def fake_mode_of(nodes: Iterable[fx.Node]):
+    """The fake mode that produced these nodes' example values (Dynamo's, shared ShapeEnv)."""
+    for node in nodes:
+        for value in pytree.tree_leaves(example_value(node)):
+            fake_mode = getattr(value, "fake_mode", None)
+            if fake_mode is not None:
+                return fake_mode
+    return None
+
+
+def _fake_args(args: Any) -> Any:
+    return fx.node.map_arg(args, example_value)
+
+
+def propagate_example_value(node: fx.Node, fake_mode) -> None:
+    """Compute ``node.meta['example_value']`` by running it on its inputs' fake values."""
+    args, kwargs = _fake_args(node.args), _fake_args(node.kwargs)
+    with fake_mode:
+        if node.op == "call_method":
+            value = getattr(args[0], node.target)(*args[1:], **kwargs)
+        elif node.op == "call_function":
+            value = node.target(*args, **kwargs)
+        else:
+            raise ValueError(f"cannot propagate example values through {node.op} node {node.name}")
+    node.meta["example_value"] = value
+
+
+def insert_node(
+    graph: fx.Graph,
+    op: str,
+    target: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    meta_from: fx.Node,
+    fake_mode,
+) -> fx.Node:
+    """Insert a node at the graph's current insertion point with example value and user metadata."""
+    node = graph.create_node(op, target, tuple(args), kwargs or {})
+    for key in _CARRIED_META:
+        if key in meta_from.meta:
+            node.meta[key] = meta_from.meta[key]
+    propagate_example_value(node, fake_mode)
+    return node
+
+
+def erase_unused(nodes: Iterable[fx.Node]) -> None:
+    """Erase those of ``nodes`` left without users (users are erased before the nodes they read).
+
+    Placeholders stay: erasing one would change the compiled function's signature.
+    """
+    pending = {node for node in nodes if node.op in ("call_function", "call_method")}
+    if not pending:
+        return
+    graph = next(iter(pending)).graph
+    for node in reversed(list(graph.nodes)):
+        if node in pending and not node.users:
+            graph.erase_node(node)
+
+
+# Dynamo spells the functional ops of a loss in several ways; these tables say which callables mean what.
+CROSS_ENTROPY_TARGETS: tuple[Any, ...] = (F.cross_entropy,)
+NLL_LOSS_TARGETS: tuple[Any, ...] = (F.nll_loss,)
+LOG_SOFTMAX_TARGETS: tuple[Any, ...] = (F.log_softmax, torch.log_softmax, torch.nn.functional.log_softmax)
+LINEAR_TARGETS: tuple[Any, ...] = (F.linear, torch._C._nn.linear)
+MATMUL_TARGETS: tuple[Any, ...] = (operator.matmul, torch.matmul, torch.mm)
+ADDMM_TARGETS: tuple[Any, ...] = (torch.addmm,)

@@ -1,0 +1,209 @@
+"""What the backend decided and why: records, logging, tlparse artifacts and the debug dump.
+
+Every candidate a rule looked at produces one ``RewriteRecord``, applied or not. The records of one compiled
+graph form a ``GraphReport``. They reach users through four doors: the ``fxpass`` logger
+(``TORCH_LOGS=+fxpass``), ``torch._logging.trace_structured`` artifacts (tlparse, ``TORCH_TRACE=dir``), the
+debug directory (``MEMOPT_DEBUG_DIR`` or ``options={"debug_dir": ...}``) and the Python API (``fxpass.reports()``,
+``fxpass.explain``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import itertools
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+_HISTORY: collections.deque[GraphReport] = collections.deque(maxlen=64)
+_GRAPH_COUNTER = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteRecord:
+    """One candidate and the decision on it. The JSON schema of ``report.json`` (see README)."""
+
+    rule: str
+    applied: bool
+    reason: str
+    nodes: tuple[str, ...]
+    source: str | None
+    saved_bytes: str | None
+    saved_bytes_hint: int | None
+    proof: str | None
+    params: dict[str, Any]
+    memory: dict[str, dict[str, str]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"nodes": list(self.nodes)}
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """The records of one compiled graph, with its code before and after the rewrites when kept."""
+
+    graph_id: str
+    records: list[RewriteRecord]
+    before: str | None = None
+    after: str | None = None
+    graph_module: fx.GraphModule | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def applied(self) -> list[RewriteRecord]:
+        return [r for r in self.records if r.applied]
+
+    @property
+    def saved_bytes_hint(self) -> int:
+        return sum(r.saved_bytes_hint or 0 for r in self.applied)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "graph": self.graph_id,
+            "torch": torch.__version__,
+            "rewrites": [r.to_json() for r in self.records],
+        }
+
+    def table(self) -> str:
+        """A markdown table of the decisions."""
+        lines = [
+            "| rule | applied | where | saves (hint) | proof | reason |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in self.records:
+            saved = _mib(r.saved_bytes_hint) if r.saved_bytes_hint is not None else "-"
+            lines.append(
+                f"| {r.rule} | {'yes' if r.applied else 'no'} | {_short_source(r.source)} | {saved} "
+                f"| {r.proof or '-'} | {r.reason} |"
+            )
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        applied = self.applied
+        head = (
+            f"memopt graph {self.graph_id}: {len(applied)} of {len(self.records)} candidates rewritten, "
+            f"about {_mib(self.saved_bytes_hint)} saved at the example shapes"
+        )
+        return head + ("\n" + self.table() if self.records else "")
+
+    def to_markdown(self) -> str:
+        parts = [f"# memopt report: graph {self.graph_id}", "", self.summary(), ""]
+        for index, r in enumerate(self.records):
+            parts += [f"## {index}. {r.rule}: {'applied' if r.applied else 'declined'}", "", f"- reason: {r.reason}"]
+            parts += [f"- source: `{r.source}`", f"- nodes: {', '.join(r.nodes)}"]
+            if r.saved_bytes is not None:
+                parts.append(f"- saved bytes: `{r.saved_bytes}` (= {r.saved_bytes_hint} at the hint, {r.proof})")
+            for side in ("before", "after"):
+                for name, value in (r.memory or {}).get(side, {}).items():
+                    parts.append(f"  - {side}: {name}: `{value}`")
+            parts += [f"- params: `{json.dumps(r.params, default=str)}`", ""]
+        if self.before is not None and self.after is not None:
+            diff = difflib.unified_diff(
+                self.before.splitlines(), self.after.splitlines(), "before.py", "after.py", lineterm="", n=2
+            )
+            parts += ["## graph diff", "", "```diff", *diff, "```", ""]
+        return "\n".join(parts)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _short_source(source: str | None) -> str:
+    if not source:
+        return "-"
+    file, _, line = source.rpartition(":")
+    return f"{Path(file).name}:{line}"
+
+
+def current_graph_id() -> str:
+    """Dynamo's compile id ("frame/attempt") when compiling, else a process-wide counter."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except Exception:  # pragma: no cover - private API moved
+        compile_id = None
+    return str(compile_id) if compile_id is not None else f"g{next(_GRAPH_COUNTER)}"
+
+
+def graph_code(gm: fx.GraphModule) -> str:
+    return gm.print_readable(print_output=False, include_stride=False, include_device=True)
+
+
+def tracing_enabled() -> bool:
+    """Whether tlparse structured tracing (TORCH_TRACE) is on, so graph code is worth rendering."""
+    try:
+        from torch._logging._internal import trace_log
+
+        return bool(trace_log.handlers)
+    except Exception:  # pragma: no cover - private API moved
+        return False
+
+
+def publish(report: GraphReport, debug_dir: str | None) -> None:
+    """Send a report through every door: logger, counters, tlparse, debug dir and the in-process history."""
+    _HISTORY.append(report)
+    counters = torch._dynamo.utils.counters["memopt"]
+    for r in report.records:
+        counters[f"{r.rule}_{'applied' if r.applied else 'declined'}"] += 1
+        log.debug("%s %s at %s: %s", r.rule, "applied" if r.applied else "declined", r.source, r.reason)
+    if report.records:
+        log.info("%s", report.summary())
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": "memopt_report", "encoding": "json"},
+        payload_fn=lambda: json.dumps(report.to_json(), default=str),
+    )
+    if report.after is not None:
+        torch._logging.trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": "memopt_after_rewrite", "encoding": "string"},
+            payload_fn=lambda: report.after,
+        )
+    if debug_dir:
+        write_debug_dir(report, Path(debug_dir))
+
+
+def write_debug_dir(report: GraphReport, root: Path) -> Path:
+    """Write before.py, after.py, report.json and report.md for one graph; return its folder."""
+    folder = _fresh_folder(root, "graph_" + re.sub(r"[^0-9A-Za-z]+", "_", report.graph_id))
+    if report.before is not None:
+        (folder / "before.py").write_text(report.before)
+    if report.after is not None:
+        (folder / "after.py").write_text(report.after)
+    (folder / "report.json").write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    (folder / "report.md").write_text(report.to_markdown())
+    log.info("memopt debug dump for graph %s written to %s", report.graph_id, folder)
+    return folder
+
+
+def _fresh_folder(root: Path, name: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for suffix in itertools.count():
+        folder = root / (name if suffix == 0 else f"{name}.{suffix}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def reports() -> list[GraphReport]:
+    """Reports of the graphs memopt compiled in this process, oldest first (the last 64)."""
+    return list(_HISTORY)
+
+
+def clear_reports() -> None:
+    _HISTORY.clear()

@@ -1,0 +1,99 @@
+"""Run every enabled rule over one graph: match, decide, apply, and record each decision.
+
+A rule that raises leaves the graph as it was before that rule, records why and warns once (``strict``
+re-raises); the user's model must never break because a rewrite failed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch.fx as fx
+
+import lowerings  # noqa: F401  (registers torch.ops.memopt.*, which rewritten graphs call)
+from fxpass import shapes
+from fxpass.config import Config
+from fxpass.graph import GraphFacts, source_location
+from fxpass.report import GraphReport, RewriteRecord, current_graph_id, graph_code
+from fxpass.rules import RULES, Decision, Rule
+
+log = logging.getLogger(__name__)
+_WARNED: set[tuple[str, str]] = set()
+
+
+class RewriteFailedWarning(UserWarning):
+    """A rule raised; memopt left the graph as it was for that rule."""
+
+
+def rewrite_graph(gm: fx.GraphModule, config: Config, keep_code: bool = False) -> GraphReport:
+    """Rewrite ``gm`` in place with every enabled rule; return what was decided."""
+    report = GraphReport(current_graph_id(), [], before=graph_code(gm) if keep_code else None)
+    for rule in RULES:
+        if config.rule_enabled(rule.name):
+            report.records.extend(_run_rule(rule, gm, config))
+    gm.recompile()
+    if keep_code:
+        report.after = graph_code(gm)
+    return report
+
+
+def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config) -> list[RewriteRecord]:
+    saved_graph = _copy_graph(gm.graph)
+    records: list[RewriteRecord] = []
+    try:
+        for candidate in rule.match(GraphFacts(gm)):
+            decision = rule.decide(candidate, config)
+            records.append(_record(rule.name, candidate, decision))
+            if decision.apply:
+                rule.apply(gm, candidate)
+        gm.graph.lint()
+    except Exception as error:
+        if config.strict:
+            raise
+        gm.graph = saved_graph
+        reason = f"rule failed and was skipped: {type(error).__name__}: {error}"
+        _warn_once(rule.name, reason)
+        log.debug("memopt rule %s failed", rule.name, exc_info=True)
+        records = [_undone(r) for r in records]
+        records.append(RewriteRecord(rule.name, False, reason, (), None, None, None, None, {}))
+    return records
+
+
+def _undone(record: RewriteRecord) -> RewriteRecord:
+    if not record.applied:
+        return record
+    return dataclasses.replace(record, applied=False, reason="undone: the rule failed later on this graph")
+
+
+def _record(rule: str, candidate, decision: Decision) -> RewriteRecord:
+    memory, verdict = decision.memory, decision.verdict
+    return RewriteRecord(
+        rule=rule,
+        applied=decision.apply,
+        reason=decision.reason,
+        nodes=tuple(node.name for node in candidate.nodes),
+        source=source_location(candidate.anchor),
+        saved_bytes=shapes.render(memory.saved) if memory is not None else None,
+        saved_bytes_hint=verdict.saved_hint if verdict is not None else None,
+        proof=verdict.proof if verdict is not None else None,
+        params=dict(candidate.params()),
+        memory=memory.describe() if memory is not None else None,
+    )
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy to restore if a rule fails halfway (nodes and their meta; example values are shared)."""
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    copy._codegen = graph._codegen
+    value, output = copy.graph_copy(graph, {}, return_output_node=True)
+    copy.output(value, type_expr=output.type).meta = output.meta.copy()
+    return copy
+
+
+def _warn_once(rule: str, reason: str) -> None:
+    if (rule, reason) in _WARNED:
+        return
+    _WARNED.add((rule, reason))
+    warnings.warn(f"memopt: {rule}: {reason}", RewriteFailedWarning, stacklevel=2)

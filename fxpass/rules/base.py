@@ -1,0 +1,69 @@
+"""What every rule provides: a pure ``match``, a ``decide`` on a memory model, and an ``apply``.
+
+A rule module exports one ``Rule``. ``match`` inspects the graph and returns candidates (frozen dataclasses
+that change nothing); ``decide`` turns a candidate into a ``Decision`` with a reason and, when the candidate
+is complete, the memory model behind it; ``apply`` edits the graph for an accepted candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch.fx as fx
+
+from fxpass.config import Config
+from fxpass.graph import GraphFacts
+from fxpass.shapes import MemoryModel, Verdict, clears
+
+
+class Candidate(Protocol):
+    """A match: the node it is anchored on, every node it covers, and the parameters it found."""
+
+    @property
+    def anchor(self) -> fx.Node: ...
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]: ...
+
+    @property
+    def blocker(self) -> str | None: ...
+
+    def params(self) -> Mapping[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    apply: bool
+    reason: str
+    memory: MemoryModel | None = None
+    verdict: Verdict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    match: Callable[[GraphFacts], list[Any]]
+    decide: Callable[[Any, Config], Decision]
+    apply: Callable[[fx.GraphModule, Any], None]
+
+
+def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision:
+    """Apply iff the modelled saving clears ``config.min_saved_bytes``; say how that was established."""
+    verdict = clears(memory.saved, config.min_saved_bytes)
+    how = "for every shape" if verdict.proof == "static" else "for the example shapes (size hints)"
+    if verdict.pays:
+        reason = f"{what}; frees {_mib(verdict.saved_hint)} {how}"
+    elif config.force:
+        reason = f"{what}; forced (force=True) although the saving is {_mib(verdict.saved_hint)} {how}"
+        return Decision(True, reason, memory, verdict)
+    else:
+        reason = (
+            f"saving {_mib(verdict.saved_hint)} is below min_saved_bytes={config.min_saved_bytes} {how}"
+        )
+    return Decision(verdict.pays, reason, memory, verdict)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if abs(n) >= (1 << 20) else f"{n} B"

@@ -1,0 +1,488 @@
+"""Cut cross-entropy: ``linear → (casts, views, shifts, softcap) → cross_entropy`` becomes ``memopt.cce``.
+
+The pattern is found from the loss backwards. Every op between the classifier and the loss must act on
+leading (token) dimensions only, or be a dtype cast, a copy, or the tanh softcap; such ops commute with the
+classifier, so they are replayed on the hidden states instead (a shift ``logits[:, :-1]`` becomes
+``hidden[:, :-1]``) and the N×V logits are never formed. Forms covered: HF transformers' causal-LM and
+masked-LM losses, ``nn.CrossEntropyLoss``, ``log_softmax → nll_loss``, nanoGPT's ``ignore_index=-1`` with
+a tied weight, GPT-2's ``addmm``, ``h @ W.T``, and Gemma's final-logit softcap.
+(Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models".)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from fxpass import shapes
+from fxpass.config import Config
+from fxpass.graph import (
+    ADDMM_TARGETS,
+    CROSS_ENTROPY_TARGETS,
+    LINEAR_TARGETS,
+    LOG_SOFTMAX_TARGETS,
+    MATMUL_TARGETS,
+    NLL_LOSS_TARGETS,
+    GraphFacts,
+    ViewKind,
+    bind_args,
+    describe_node,
+    erase_unused,
+    fake_mode_of,
+    insert_node,
+    is_call,
+    is_method,
+    is_param_transpose,
+    tensor_value,
+    view_kind,
+)
+from fxpass.rules.base import Decision, Rule, decide_on_saving
+
+NAME = "cce"
+
+GRAPH_BREAK_ADVICE = (
+    "the logits arrive as a graph input, so the classifier that produced them was compiled in another "
+    "graph (a graph break between the head and the loss); find the break with TORCH_LOGS=graph_breaks "
+    "and compile head and loss together (fullgraph=True shows it as an error)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCall:
+    """The loss node's arguments, normalized from any call form."""
+
+    node: fx.Node
+    form: str  # "cross_entropy" | "nll_loss"
+    input: fx.Node
+    targets: Any
+    class_weight: Any
+    ignore_index: Any
+    reduction: Any
+    label_smoothing: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CceMatch:
+    """A loss over a linear classifier, or a loss that cannot be rewritten (``blocker`` says why)."""
+
+    loss: LossCall
+    path: tuple[fx.Node, ...] = ()  # nodes strictly between classifier and loss, in graph order
+    classifier: fx.Node | None = None
+    hidden: fx.Node | None = None
+    weight: fx.Node | None = None  # [V, D], or [D, V] when weight_is_transposed
+    weight_is_transposed: bool = False
+    bias: fx.Node | None = None
+    softcap: float | None = None
+    blocker: str | None = None
+
+    @property
+    def anchor(self) -> fx.Node:
+        return self.loss.node
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        head = (self.classifier,) if self.classifier is not None else ()
+        return (*head, *self.path, self.loss.node)
+
+    def params(self) -> Mapping[str, Any]:
+        params: dict[str, Any] = {"form": self.loss.form}
+        logits = tensor_value(self.loss.input)
+        if logits is not None and logits.dim() >= 1:
+            params["tokens"] = shapes.render(logits.shape[0]) if logits.dim() == 2 else None
+            params["vocab"] = shapes.render(logits.shape[-1])
+            params["loss_dtype"] = str(logits.dtype).removeprefix("torch.")
+        if self.hidden is not None:
+            hidden = tensor_value(self.hidden)
+            params["hidden_dim"] = shapes.render(hidden.shape[-1])
+            params["dtype"] = str(hidden.dtype).removeprefix("torch.")
+        params.update(
+            ignore_index=self.loss.ignore_index,
+            reduction=self.loss.reduction,
+            label_smoothing=self.loss.label_smoothing,
+            softcap=self.softcap,
+            bias=self.bias is not None,
+        )
+        return params
+
+
+# --- match ------------------------------------------------------------------------------------------------
+
+
+def match(facts: GraphFacts) -> list[CceMatch]:
+    return [_match_loss(loss, facts) for loss in _loss_calls(facts.gm.graph)]
+
+
+def _loss_calls(graph: fx.Graph) -> list[LossCall]:
+    calls = []
+    for node in graph.nodes:
+        if is_call(node, *CROSS_ENTROPY_TARGETS):
+            call = _bind_loss(node, "cross_entropy", CROSS_ENTROPY_PARAMS)
+        elif is_call(node, *NLL_LOSS_TARGETS):
+            call = _bind_loss(node, "nll_loss", CROSS_ENTROPY_PARAMS[:-1])
+        else:
+            continue
+        if call is not None:
+            calls.append(call)
+    return calls
+
+
+# Parameters of F.cross_entropy in order; F.nll_loss has the same ones without label_smoothing.
+CROSS_ENTROPY_PARAMS = (
+    "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing"
+)
+_LOSS_DEFAULTS = {
+    "weight": None, "size_average": None, "ignore_index": -100, "reduce": None, "reduction": "mean",
+    "label_smoothing": 0.0,
+}
+
+
+def _bind_loss(node: fx.Node, form: str, names: tuple[str, ...]) -> LossCall | None:
+    bound = bind_args(node, names, _LOSS_DEFAULTS)
+    if bound is None or not isinstance(bound.get("input"), fx.Node) or "target" not in bound:
+        return None
+    reduction = bound["reduction"]
+    if bound["size_average"] is not None or bound["reduce"] is not None:
+        reduction = torch.nn._reduction.legacy_get_string(bound["size_average"], bound["reduce"], emit_warning=False)
+    return LossCall(
+        node=node,
+        form=form,
+        input=bound["input"],
+        targets=bound["target"],
+        class_weight=bound["weight"],
+        ignore_index=bound["ignore_index"],
+        reduction=reduction,
+        label_smoothing=bound["label_smoothing"],
+    )
+
+
+def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
+    blocker = _unsupported_arguments(loss)
+    if blocker:
+        return CceMatch(loss, blocker=blocker)
+    logits = tensor_value(loss.input)
+    if logits is None or logits.dim() != 2:
+        return CceMatch(loss, blocker="the loss input is not [tokens, classes] (class dimension not last)")
+    vocab = logits.shape[-1]
+    walk = _walk_to_classifier(loss, vocab)
+    if isinstance(walk, str):
+        return CceMatch(loss, blocker=walk)
+    path, source, softcap = walk
+    classifier = _classifier_operands(source, vocab)
+    if isinstance(classifier, str):
+        return CceMatch(loss, path=path, blocker=classifier)
+    hidden, weight, transposed, bias = classifier
+    candidate = CceMatch(loss, path, source, hidden, weight, transposed, bias, softcap)
+    escape = _escape(candidate, facts)
+    return dataclasses.replace(candidate, blocker=escape) if escape else candidate
+
+
+def _unsupported_arguments(loss: LossCall) -> str | None:
+    if loss.class_weight is not None:
+        return "class weights are not supported by memopt.cce"
+    targets = tensor_value(loss.targets)
+    if targets is None:
+        return "the targets are not a tensor"
+    if targets.is_floating_point():
+        return "soft-label targets (class probabilities) are not supported by memopt.cce"
+    if targets.dim() != 1:
+        return "the loss input is not [tokens, classes] (class dimension not last)"
+    for name, value, kind in (
+        ("ignore_index", loss.ignore_index, int),
+        ("label_smoothing", loss.label_smoothing, (int, float)),
+        ("reduction", loss.reduction, str),
+    ):
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} is not a constant ({value!r})"
+    if loss.reduction not in ("mean", "sum", "none"):
+        return f"unknown reduction {loss.reduction!r}"
+    return None
+
+
+def _walk_to_classifier(
+    loss: LossCall, vocab
+) -> tuple[tuple[fx.Node, ...], fx.Node, float | None] | str:
+    """Walk from the loss input back through vocabulary-preserving ops to the op that made the logits."""
+    path: list[fx.Node] = []
+    node = loss.input
+    seen_log_softmax = False
+    softcap = None
+    while True:
+        if not _last_dim_is(node, vocab):
+            return f"{describe_node(node)} changes the class dimension"
+        kind = view_kind(node)
+        if kind is not None:
+            if kind in (ViewKind.RESHAPE, ViewKind.INDEX) and not _keeps_last_dim(node, vocab):
+                return f"{describe_node(node)} reshapes or indexes the class dimension"
+            path.append(node)
+            node = node.args[0]
+            continue
+        if loss.form == "nll_loss" and not seen_log_softmax and _is_log_softmax_over_last_dim(node):
+            seen_log_softmax = True
+            path.append(node)
+            node = node.args[0]
+            continue
+        cap = _softcap(node) if softcap is None else None
+        if cap is not None:
+            softcap, cap_nodes, node = cap
+            path.extend(cap_nodes)
+            continue
+        break
+    if loss.form == "nll_loss" and not seen_log_softmax:
+        return "nll_loss input is not a log_softmax of logits"
+    if node.op == "placeholder":
+        return GRAPH_BREAK_ADVICE
+    return tuple(reversed(path)), node, softcap
+
+
+def _last_dim_is(node: fx.Node, vocab) -> bool:
+    value = tensor_value(node)
+    return value is not None and value.dim() >= 1 and _same_size(value.shape[-1], vocab)
+
+
+def _same_size(a, b) -> bool:
+    return statically_known_true(a == b) if isinstance(a == b, torch.SymBool) else bool(a == b)
+
+
+def _keeps_last_dim(node: fx.Node, vocab) -> bool:
+    """A reshape or index that maps whole rows of the class dimension onto whole rows."""
+    src = tensor_value(node.args[0])
+    if src is None or not _last_dim_is(node.args[0], vocab):
+        return False
+    if view_kind(node) is ViewKind.RESHAPE:
+        if _is_flatten(node):
+            end = _flatten_end(node)
+            return end % src.dim() != src.dim() - 1
+        return _shape_arg(node) is not None
+    return _index_keeps_last_dim(node.args[1], src.dim())
+
+
+def _is_flatten(node: fx.Node) -> bool:
+    return is_method(node, "flatten") or is_call(node, torch.flatten)
+
+
+def _flatten_end(node: fx.Node) -> int:
+    bound = dict(zip(("input", "start_dim", "end_dim"), node.args, strict=False))
+    bound.update(node.kwargs)
+    return int(bound.get("end_dim", -1))
+
+
+def _shape_arg(node: fx.Node) -> list[Any] | None:
+    """The target shape of view/reshape as a list, whether passed as varargs or one sequence."""
+    args = list(node.args[1:])
+    if "shape" in node.kwargs or "size" in node.kwargs:
+        args = [node.kwargs.get("shape", node.kwargs.get("size"))]
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = list(args[0])
+    return args or None
+
+
+def _index_keeps_last_dim(index: Any, ndim: int) -> bool:
+    entries = index if isinstance(index, tuple) else (index,)
+    if any(entry is None for entry in entries):
+        return False
+    if Ellipsis in entries:
+        after = entries[entries.index(Ellipsis) + 1 :]
+        return not after or after[-1] == slice(None)
+    consumed = sum(_dims_indexed(entry) for entry in entries)
+    return consumed < ndim or entries[-1] == slice(None)
+
+
+def _dims_indexed(entry: Any) -> int:
+    value = tensor_value(entry) if isinstance(entry, fx.Node) else None
+    if value is not None and value.dtype == torch.bool:
+        return value.dim()
+    return 1
+
+
+def _is_log_softmax_over_last_dim(node: fx.Node) -> bool:
+    if is_call(node, *LOG_SOFTMAX_TARGETS) or is_method(node, "log_softmax"):
+        bound = dict(zip(("input", "dim"), node.args, strict=False))
+        bound.update(node.kwargs)
+        value = tensor_value(node)
+        return value is not None and isinstance(bound.get("dim"), int) and bound["dim"] % value.dim() == value.dim() - 1
+    return False
+
+
+def _softcap(node: fx.Node) -> tuple[float, tuple[fx.Node, ...], fx.Node] | None:
+    """``tanh(x / c) * c`` (or ``x * (1/c)``): returns c, the three nodes in graph order, and x."""
+    if not (is_call(node, operator.mul, torch.mul) and len(node.args) == 2):
+        return None
+    tanh, cap = node.args if isinstance(node.args[0], fx.Node) else node.args[::-1]
+    if not (isinstance(tanh, fx.Node) and isinstance(cap, (int, float)) and cap > 0):
+        return None
+    if not (is_call(tanh, torch.tanh) or is_method(tanh, "tanh")):
+        return None
+    scaled = tanh.args[0]
+    if not isinstance(scaled, fx.Node) or len(scaled.args) != 2 or scaled.args[0] is None:
+        return None
+    x, factor = scaled.args
+    if is_call(scaled, operator.truediv, torch.div) and factor == cap:
+        return float(cap), (scaled, tanh, node), x
+    if is_call(scaled, operator.mul, torch.mul) and isinstance(factor, float) and abs(factor * cap - 1) < 1e-12:
+        return float(cap), (scaled, tanh, node), x
+    return None
+
+
+def _classifier_operands(node: fx.Node, vocab) -> tuple[fx.Node, fx.Node, bool, fx.Node | None] | str:
+    """(hidden, weight, weight_is_transposed, bias) of a linear classifier producing ``node``."""
+    if is_call(node, *LINEAR_TARGETS):
+        bound = bind_args(node, ("input", "weight", "bias"), {"bias": None})
+        if bound is None or "weight" not in bound:
+            return f"unexpected call form {describe_node(node)}"
+        return _checked(bound["input"], bound["weight"], False, bound["bias"], vocab, node)
+    if is_call(node, *MATMUL_TARGETS) or is_method(node, "matmul", "mm"):
+        if len(node.args) != 2 or node.kwargs:
+            return f"unexpected call form {describe_node(node)}"
+        hidden, other = node.args
+        if isinstance(other, fx.Node) and is_param_transpose(other):
+            return _checked(hidden, other.args[0], False, None, vocab, node)
+        return _checked(hidden, other, True, None, vocab, node)
+    if is_call(node, *ADDMM_TARGETS):
+        bound = bind_args(node, ("input", "mat1", "mat2", "beta", "alpha"), {"beta": 1, "alpha": 1})
+        if bound is None or len(bound) < 5 or bound["beta"] != 1 or bound["alpha"] != 1:
+            return f"addmm with beta/alpha other than 1 at {describe_node(node)}"
+        other = bound["mat2"]
+        if isinstance(other, fx.Node) and is_param_transpose(other):
+            return _checked(bound["mat1"], other.args[0], False, bound["input"], vocab, node)
+        return _checked(bound["mat1"], other, True, bound["input"], vocab, node)
+    return f"the logits come from {describe_node(node)}, not from a linear classifier"
+
+
+def _checked(hidden, weight, transposed: bool, bias, vocab, node: fx.Node):
+    h, w = tensor_value(hidden), tensor_value(weight)
+    if h is None or w is None or w.dim() != 2:
+        return f"the classifier {describe_node(node)} is not hidden [.., D] times a 2-D weight"
+    rows = w.shape[1] if transposed else w.shape[0]
+    if not _same_size(rows, vocab) or not _same_size(h.shape[-1], w.shape[0] if transposed else w.shape[1]):
+        return f"the classifier {describe_node(node)} has unexpected shapes"
+    if h.dtype != w.dtype or h.device != w.device:
+        return f"the classifier {describe_node(node)} mixes dtypes or devices ({h.dtype}, {w.dtype})"
+    if bias is not None:
+        b = tensor_value(bias)
+        if b is None or b.dim() != 1 or not _same_size(b.shape[0], vocab):
+            return f"the classifier {describe_node(node)} has a bias that is not [V]"
+    return hidden, weight, transposed, bias
+
+
+def _escape(candidate: CceMatch, facts: GraphFacts) -> str | None:
+    """Why the logits stay alive anyway (used outside the loss, or returned), or None."""
+    for node, user in facts.outside_users([candidate.classifier, *candidate.path], inside=candidate.nodes):
+        if user.op == "output":
+            return (
+                f"the logits ({node.name}) are returned from the compiled graph, so they stay alive and "
+                "rewriting saves nothing; compile a function that returns only the loss"
+            )
+        return (
+            f"the logits ({node.name}) are also used by {describe_node(user)}, so they stay alive and "
+            "rewriting saves nothing"
+        )
+    return None
+
+
+# --- decide -----------------------------------------------------------------------------------------------
+
+
+def decide(candidate: CceMatch, config: Config) -> Decision:
+    if candidate.blocker:
+        return Decision(False, candidate.blocker)
+    return decide_on_saving(memory_model(candidate), config, "logits never materialized")
+
+
+def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
+    """Bytes the loss keeps alive as written (saved log-probabilities and logits-sized temporaries)."""
+    from lowerings.cce.op import working_set
+
+    logits = tensor_value(candidate.classifier)
+    ce_input = tensor_value(candidate.loss.input)
+    hidden = tensor_value(candidate.hidden)
+    vocab, dim = ce_input.shape[-1], hidden.shape[-1]
+    rows = ce_input.shape[0]
+    forward = shapes.nbytes(logits)
+    backward = shapes.nbytes(ce_input) + (shapes.nbytes(logits) if logits.dtype != ce_input.dtype else 0)
+    for node in candidate.path:
+        if _materializes(node):
+            forward = forward + shapes.nbytes(tensor_value(node))
+    before = {
+        "saved: log-probabilities [N, V]": shapes.nbytes(ce_input),
+        "transient: logits and their copies (forward) / logit gradients (backward)": torch.sym_max(
+            forward, backward
+        ),
+    }
+    return shapes.MemoryModel(before, working_set(rows, vocab, dim, hidden.dtype))
+
+
+def _materializes(node: fx.Node) -> bool:
+    """Ops on the path that allocate a logits-sized tensor: dtype changes, copies, log-softmax, softcap."""
+    kind = view_kind(node)
+    if kind is ViewKind.CAST:
+        return tensor_value(node).dtype != tensor_value(node.args[0]).dtype
+    return kind is ViewKind.COPY or kind is None
+
+
+# --- apply ------------------------------------------------------------------------------------------------
+
+
+def apply(gm: fx.GraphModule, candidate: CceMatch) -> None:
+    graph = gm.graph
+    loss_node = candidate.loss.node
+    fake_mode = fake_mode_of([loss_node, candidate.hidden])
+    dim = tensor_value(candidate.hidden).shape[-1]
+
+    def add(op: str, target: Any, *args: Any) -> fx.Node:
+        return insert_node(graph, op, target, args, meta_from=loss_node, fake_mode=fake_mode)
+
+    with graph.inserting_before(loss_node):
+        hidden = candidate.hidden
+        for node in candidate.path:
+            kind = view_kind(node)
+            if kind is ViewKind.INDEX:
+                hidden = add("call_function", operator.getitem, hidden, node.args[1])
+            elif kind is ViewKind.RESHAPE:
+                hidden = _replay_reshape(add, node, hidden, dim)
+        weight = candidate.weight
+        if candidate.weight_is_transposed:
+            weight = add("call_method", "t", weight)
+        loss = candidate.loss
+        fused = add(
+            "call_function",
+            torch.ops.memopt.cce.default,
+            hidden,
+            weight,
+            candidate.bias,
+            loss.targets,
+            loss.ignore_index,
+            loss.reduction,
+            float(loss.label_smoothing),
+            candidate.softcap,
+        )
+        result = add("call_function", operator.getitem, fused, 0)
+        wanted = tensor_value(loss_node).dtype
+        if tensor_value(result).dtype != wanted:
+            result = add("call_method", "to", result, wanted)
+    loss_node.replace_all_uses_with(result)
+    transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
+    erase_unused([loss_node, *candidate.path, candidate.classifier, *transposes])
+
+
+def _replay_reshape(add, node: fx.Node, hidden: fx.Node, dim) -> fx.Node:
+    """Apply ``node``'s reshape of [.., V] logits to [.., D] hidden states."""
+    if _is_flatten(node):
+        start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
+        return add("call_method", "flatten", hidden, start, _flatten_end(node))
+    shape = _shape_arg(node)
+    if shapes.constant(dim) is not None:
+        new_last: Any = shapes.constant(dim)
+    elif not any(isinstance(size, int) and size == -1 for size in shape[:-1]):
+        new_last = -1
+    else:  # a symbolic hidden size next to an inferred dimension: read it off the hidden states
+        new_last = add("call_method", "size", hidden, -1)
+    return add("call_method", "reshape", hidden, *shape[:-1], new_last)
+
+
+RULE = Rule(name=NAME, match=match, decide=decide, apply=apply)

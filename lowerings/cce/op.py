@@ -1,0 +1,206 @@
+"""``torch.ops.memopt.cce``: linear + cross-entropy that never materializes the N×V logits.
+
+    loss, lse = torch.ops.memopt.cce(hidden, weight, bias, targets, ignore_index, reduction,
+                                     label_smoothing, softcap)
+
+``hidden`` is [N, D], ``weight`` the classifier [V, D], ``bias`` [V] or None, ``targets`` [N] class indices.
+``loss`` is fp32 (fp64 for fp64 inputs): a scalar for "mean"/"sum", [N] for "none" (0 on ignored rows), exactly like
+``F.cross_entropy(linear(hidden, weight, bias).float(), targets, ...)``; "mean" over zero valid rows is NaN.
+``lse`` is the per-row log-sum-exp of the logits, differentiable, for z-loss terms.
+
+Autograd saves hidden, weight, bias, targets and the [N] log-sum-exp, never logits; the backward op
+recomputes them chunk by chunk (CPU) or tile by tile on chip (CUDA kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings._library import device_op, reference_op
+from lowerings.cce import reference
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype) -> dict[str, object]:
+    """Bytes the op keeps beyond its inputs and outputs, by name: what the graph rewrite's model charges.
+
+    Sizes may be SymInts; the result is then symbolic too. The chunk is the CPU reference's; the CUDA
+    kernels keep their tiles on chip and need less.
+    """
+    acc_bytes = reference.compute_dtype(dtype).itemsize
+    terms: dict[str, object] = {
+        "saved: log-sum-exp [N]": n_rows * acc_bytes,
+        "transient: one chunk of logits, probabilities and their gradient": (
+            3 * torch.sym_min(n_rows, reference.chunk_rows(vocab)) * vocab * acc_bytes
+        ),
+    }
+    if dtype.itemsize < acc_bytes:
+        terms["transient: weight-gradient accumulator [V, D]"] = vocab * dim * acc_bytes
+    return terms
+
+
+@reference_op("cce_rows_reference")
+def cce_rows_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.forward(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
+
+
+@cce_rows_reference.register_fake
+def _(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap):
+    rows = hidden.new_empty(hidden.shape[0], dtype=reference.compute_dtype(hidden.dtype))
+    return rows, torch.empty_like(rows)
+
+
+@reference_op("cce_backward_reference")
+def cce_backward_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    grad_lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    needs = (need_hidden, need_weight, need_bias)
+    return reference.backward(
+        hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs
+    )
+
+
+@cce_backward_reference.register_fake
+def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
+      need_hidden, need_weight, need_bias):
+    return _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+def _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    return (
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else weight.new_empty(0),
+        torch.empty_like(bias) if need_bias and bias is not None else weight.new_empty(0),
+    )
+
+
+def _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap) -> None:
+    torch._check(hidden.dim() == 2, lambda: f"memopt.cce: hidden must be [N, D], got {tuple(hidden.shape)}")
+    torch._check(weight.dim() == 2, lambda: f"memopt.cce: weight must be [V, D], got {tuple(weight.shape)}")
+    torch._check(
+        hidden.shape[1] == weight.shape[1],
+        lambda: f"memopt.cce: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} differ in D",
+    )
+    torch._check(
+        targets.dim() == 1 and targets.shape[0] == hidden.shape[0],
+        lambda: f"memopt.cce: targets must be [N={hidden.shape[0]}], got {tuple(targets.shape)}",
+    )
+    torch._check(
+        not targets.is_floating_point() and not targets.is_complex(),
+        lambda: f"memopt.cce: targets must hold class indices, got dtype {targets.dtype}",
+    )
+    torch._check(
+        bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+        lambda: f"memopt.cce: bias must be [V={weight.shape[0]}], got {None if bias is None else tuple(bias.shape)}",
+    )
+    torch._check(reduction in REDUCTIONS, lambda: f"memopt.cce: reduction must be one of {REDUCTIONS}")
+    torch._check(0.0 <= label_smoothing <= 1.0, lambda: "memopt.cce: label_smoothing must be in [0, 1]")
+    torch._check(softcap is None or softcap > 0, lambda: "memopt.cce: softcap must be positive")
+
+
+def _reduce(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return losses
+    total = losses.sum()
+    # PyTorch divides by the number of non-ignored rows: 0/0 gives NaN when every target is ignored.
+    return total / valid.sum() if reduction == "mean" else total
+
+
+def _grad_rows(grad_loss: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Upstream gradient of each row's loss term; zero on ignored rows."""
+    scale = grad_loss.to(reference.compute_dtype(grad_loss.dtype))
+    if reduction == "mean":
+        scale = scale / valid.sum()
+    return torch.where(valid, scale, 0.0)
+
+
+@device_op("cce")
+def cce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    losses, lse = torch.ops.memopt.cce_rows_reference(
+        hidden, weight, bias, targets, ignore_index, label_smoothing, softcap
+    )
+    return _reduce(losses, targets != ignore_index, reduction), lse
+
+
+@device_op("cce_backward")
+def cce_backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_loss: torch.Tensor,
+    grad_lse: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float | None,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_rows = _grad_rows(grad_loss, targets != ignore_index, reduction)
+    return torch.ops.memopt.cce_backward_reference(
+        hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
+        need_hidden, need_weight, need_bias,
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.options = (ignore_index, reduction, label_smoothing, softcap)
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    ignore_index, reduction, label_smoothing, softcap = ctx.options
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    if grad_loss is None:
+        grad_loss = lse.new_zeros(() if reduction != "none" else lse.shape)
+    grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_backward(
+        hidden, weight, bias, targets, lse, grad_loss, grad_lse, ignore_index, reduction, label_smoothing,
+        softcap, need_hidden, need_weight, need_bias and bias is not None,
+    )
+    return (
+        grad_hidden if need_hidden else None,
+        grad_weight if need_weight else None,
+        grad_bias if need_bias and bias is not None else None,
+        None, None, None, None, None,
+    )
+
+
+cce.register_autograd(_backward, setup_context=_setup_context)

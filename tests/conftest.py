@@ -1,0 +1,29 @@
+"""Shared test setup: a clean Dynamo cache per test, fixed seeds, and rules that raise instead of warning."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch._dynamo
+
+os.environ.setdefault("MEMOPT_STRICT", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,318 @@
+"""The CCE rule on each pattern form: rewritten-graph snapshots, numerics against eager, decline reasons."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import TestCase
+
+from tests.helpers import after_code, assert_close_all, grads, record_lines, rewritten
+
+V, D = 40, 8
+
+
+def _params(bias: bool = False):
+    weight = nn.Parameter(torch.randn(V, D) / D**0.5)
+    return weight, (nn.Parameter(torch.randn(V)) if bias else None)
+
+
+def _check_numerics(fn, params, *args, **options):
+    """The rewritten function gives eager's loss and gradients (float32 on CPU)."""
+    expected = fn(*args)
+    expected_grads = grads(expected, params)
+    explanation = rewritten(fn, *args, **options)
+    actual = explanation.result
+    torch.testing.assert_close(actual, expected)
+    assert_close_all(grads(actual, params), expected_grads)
+    return explanation
+
+
+class TestForms(TestCase):
+    def test_linear_float_view(self):
+        weight, _ = _params()
+        hidden = torch.randn(2, 5, D, requires_grad=True)
+        targets = torch.randint(0, V, (2, 5))
+
+        def loss(h, t):
+            logits = F.linear(h, weight)
+            return F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+
+        ex = _check_numerics(loss, [hidden, weight], hidden, targets)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 5, 8]cpu", L_weight_: "f32[40, 8]cpu", L_t_: "i64[2, 5]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_t_ = L_t_
+        view_1: "i64[10]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[10, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None);  reshape = l_weight_ = view_1 = None
+        getitem: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem,)""")
+
+    def test_hf_causal_lm_shifted_labels_and_num_items(self):
+        """transformers' ForCausalLMLoss: pad + shift labels, float(), view(-1, V), sum / num_items."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 6, D, requires_grad=True)
+        labels = torch.randint(0, V, (2, 6))
+        labels[0, :2] = -100
+
+        def loss(h, labels, num_items):
+            logits = F.linear(h[:, slice(0, None), :], weight).float()
+            labels = F.pad(labels, (0, 1), value=-100)
+            shift = labels[..., 1:].contiguous()
+            out = F.cross_entropy(logits.view(-1, V), shift.view(-1), ignore_index=-100, reduction="sum")
+            return out / num_items
+
+        ex = _check_numerics(loss, [hidden, weight], hidden, labels, torch.tensor(7))
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 6, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 6]cpu", L_num_items_: "i64[]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        l_num_items_ = L_num_items_
+        getitem: "f32[2, 6, 8]cpu" = l_h_[(slice(None, None, None), slice(0, None, None), slice(None, None, None))];  l_h_ = None
+        labels: "i64[2, 7]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem_1: "i64[2, 6]cpu" = labels[(Ellipsis, slice(1, None, None))];  labels = None
+        shift: "i64[2, 6]cpu" = getitem_1.contiguous();  getitem_1 = None
+        view_1: "i64[12]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[12, 8]cpu" = getitem.reshape(-1, 8);  getitem = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'sum', 0.0, None);  reshape = l_weight_ = view_1 = None
+        getitem_2: "f32[]cpu" = cce_default[0];  cce_default = None
+        truediv: "f32[]cpu" = getitem_2 / l_num_items_;  getitem_2 = l_num_items_ = None
+        return (truediv,)""")
+
+    def test_shift_slice_on_logits_moves_to_hidden(self):
+        weight, bias = _params(bias=True)
+        hidden = torch.randn(2, 6, D, requires_grad=True)
+        tokens = torch.randint(0, V, (2, 6))
+
+        def loss(h, t):
+            logits = F.linear(h, weight, bias)
+            shifted = logits[..., :-1, :].contiguous()
+            return F.cross_entropy(shifted.view(-1, shifted.size(-1)), t[..., 1:].reshape(-1))
+
+        ex = _check_numerics(loss, [hidden, weight, bias], hidden, tokens)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 6, 8]cpu", L_weight_: "f32[40, 8]cpu", L_bias_: "f32[40]cpu", L_t_: "i64[2, 6]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_bias_ = L_bias_
+        l_t_ = L_t_
+        getitem_1: "i64[2, 5]cpu" = l_t_[(Ellipsis, slice(1, None, None))];  l_t_ = None
+        reshape: "i64[10]cpu" = getitem_1.reshape(-1);  getitem_1 = None
+        getitem_2: "f32[2, 5, 8]cpu" = l_h_[(Ellipsis, slice(None, -1, None), slice(None, None, None))];  l_h_ = None
+        reshape_1: "f32[10, 8]cpu" = getitem_2.reshape(-1, 8);  getitem_2 = None
+        cce_default = torch.ops.memopt.cce.default(reshape_1, l_weight_, l_bias_, reshape, -100, 'mean', 0.0, None);  reshape_1 = l_weight_ = l_bias_ = reshape = None
+        getitem_3: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem_3,)""")
+
+    def test_log_softmax_nll_loss(self):
+        weight, _ = _params()
+        hidden = torch.randn(3, 4, D, requires_grad=True)
+        targets = torch.randint(0, V, (3, 4))
+
+        def loss(h, t):
+            logp = torch.log_softmax(h @ weight.t(), dim=-1, dtype=torch.float32)
+            return F.nll_loss(logp.flatten(0, 1), t.flatten(), reduction="sum")
+
+        ex = _check_numerics(loss, [hidden, weight], hidden, targets)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_weight_: "f32[40, 8]cpu", L_h_: "f32[3, 4, 8]cpu", L_t_: "i64[3, 4]cpu"):
+        l_weight_ = L_weight_
+        l_h_ = L_h_
+        l_t_ = L_t_
+        flatten_1: "i64[12]cpu" = l_t_.flatten();  l_t_ = None
+        flatten_2: "f32[12, 8]cpu" = l_h_.flatten(0, 1);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(flatten_2, l_weight_, None, flatten_1, -100, 'sum', 0.0, None);  flatten_2 = l_weight_ = flatten_1 = None
+        getitem: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem,)""")
+
+    def test_matmul_with_untransposed_weight_and_module_loss(self):
+        """``h @ W`` with W stored [D, V]; ``nn.CrossEntropyLoss`` with label smoothing."""
+        weight_dv = nn.Parameter(torch.randn(D, V) / D**0.5)
+        criterion = nn.CrossEntropyLoss(ignore_index=-1, label_smoothing=0.1)
+        hidden = torch.randn(2, 5, D, requires_grad=True)
+        targets = torch.randint(0, V, (2, 5))
+        targets[1, 3] = -1
+
+        def loss(h, t):
+            return criterion(torch.matmul(h, weight_dv).view(-1, V), t.view(-1))
+
+        ex = _check_numerics(loss, [hidden, weight_dv], hidden, targets)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 5, 8]cpu", L_weight_dv_: "f32[8, 40]cpu", L_t_: "i64[2, 5]cpu"):
+        l_h_ = L_h_
+        l_weight_dv_ = L_weight_dv_
+        l_t_ = L_t_
+        view_1: "i64[10]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[10, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        t: "f32[40, 8]cpu" = l_weight_dv_.t();  l_weight_dv_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, t, None, view_1, -1, 'mean', 0.1, None);  reshape = t = view_1 = None
+        getitem: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem,)""")
+
+    def test_gpt2_conv1d_addmm(self):
+        """GPT-2's Conv1D head: ``addmm(bias, h.view(-1, D), W[D, V])``."""
+        weight_dv = nn.Parameter(torch.randn(D, V) / D**0.5)
+        bias = nn.Parameter(torch.randn(V))
+        hidden = torch.randn(10, D, requires_grad=True)
+        targets = torch.randint(0, V, (10,))
+
+        def loss(h, t):
+            return F.cross_entropy(torch.addmm(bias, h.view(-1, D), weight_dv), t, reduction="none")
+
+        ex = _check_numerics(lambda h, t: loss(h, t).sum(), [hidden, weight_dv, bias], hidden, targets)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[10, 8]cpu", L_loss_closure_0_cell_contents: "f32[40]cpu", L_loss_closure_1_cell_contents: "f32[8, 40]cpu", L_t_: "i64[10]cpu"):
+        l_h_ = L_h_
+        l_loss_closure_0_cell_contents = L_loss_closure_0_cell_contents
+        l_loss_closure_1_cell_contents = L_loss_closure_1_cell_contents
+        l_t_ = L_t_
+        view: "f32[10, 8]cpu" = l_h_.view(-1, 8);  l_h_ = None
+        t: "f32[40, 8]cpu" = l_loss_closure_1_cell_contents.t();  l_loss_closure_1_cell_contents = None
+        cce_default = torch.ops.memopt.cce.default(view, t, l_loss_closure_0_cell_contents, l_t_, -100, 'none', 0.0, None);  view = t = l_loss_closure_0_cell_contents = l_t_ = None
+        getitem: "f32[10]cpu" = cce_default[0];  cce_default = None
+        sum_1: "f32[]cpu" = getitem.sum();  getitem = None
+        return (sum_1,)""")
+
+    def test_softcap(self):
+        """Gemma-style final-logit softcapping: ``tanh(logits / c) * c`` before the loss."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 5, D, requires_grad=True)
+        targets = torch.randint(0, V, (2, 5))
+
+        def loss(h, t):
+            logits = F.linear(h, weight)
+            logits = torch.tanh(logits / 3.0) * 3.0
+            return F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+
+        ex = _check_numerics(loss, [hidden, weight], hidden, targets)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 5, 8]cpu", L_weight_: "f32[40, 8]cpu", L_t_: "i64[2, 5]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_t_ = L_t_
+        view_1: "i64[10]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[10, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, 3.0);  reshape = l_weight_ = view_1 = None
+        getitem: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem,)""")
+        self.assertEqual(ex.applied[0].params["softcap"], 3.0)
+
+    def test_low_precision_logits_keep_loss_dtype(self):
+        """bf16 logits without ``.float()``: the loss stays bf16 as in eager, computed in fp32 inside."""
+        weight = nn.Parameter(torch.randn(V, D, dtype=torch.bfloat16))
+        hidden = torch.randn(4, D, dtype=torch.bfloat16, requires_grad=True)
+        targets = torch.randint(0, V, (4,))
+
+        def loss(h, t):
+            return F.cross_entropy(F.linear(h, weight), t)
+
+        ex = rewritten(loss, hidden, targets)
+        self.assertEqual(ex.result.dtype, torch.bfloat16)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "bf16[4, 8]cpu", L_weight_: "bf16[40, 8]cpu", L_t_: "i64[4]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_t_ = L_t_
+        cce_default = torch.ops.memopt.cce.default(l_h_, l_weight_, None, l_t_, -100, 'mean', 0.0, None);  l_h_ = l_weight_ = l_t_ = None
+        getitem: "f32[]cpu" = cce_default[0];  cce_default = None
+        to: "bf16[]cpu" = getitem.to(torch.bfloat16);  getitem = None
+        return (to,)""")
+
+
+class TestDeclines(TestCase):
+    def _decisions(self, fn, *args, **options):
+        return record_lines(rewritten(fn, *args, **options))
+
+    def test_logits_returned(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            logits = F.linear(h, weight)
+            return logits, F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+        self.assertExpectedInline(
+            self._decisions(fn, torch.randn(2, 3, D), torch.randint(0, V, (2, 3))), """cce applied=False proof=None: the logits (logits) are returned from the compiled graph, so they stay alive and rewriting saves nothing; compile a function that returns only the loss"""
+        )
+
+    def test_logits_used_elsewhere(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            logits = F.linear(h, weight)
+            accuracy = (logits.argmax(-1) == t).float().mean()
+            return F.cross_entropy(logits, t) + accuracy
+
+        self.assertExpectedInline(self._decisions(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """cce applied=False proof=None: the logits (logits) are also used by argmax (call_method argmax), so they stay alive and rewriting saves nothing""")
+
+    def test_class_weights(self):
+        weight, _ = _params()
+        class_weight = torch.rand(V)
+        self.assertExpectedInline(
+            self._decisions(
+                lambda h, t: F.cross_entropy(F.linear(h, weight), t, weight=class_weight),
+                torch.randn(6, D),
+                torch.randint(0, V, (6,)),
+            ),
+            """cce applied=False proof=None: class weights are not supported by memopt.cce""",
+        )
+
+    def test_soft_labels(self):
+        weight, _ = _params()
+        self.assertExpectedInline(
+            self._decisions(
+                lambda h, p: F.cross_entropy(F.linear(h, weight), p), torch.randn(6, D), torch.rand(6, V).softmax(-1)
+            ),
+            """cce applied=False proof=None: soft-label targets (class probabilities) are not supported by memopt.cce""",
+        )
+
+    def test_logits_as_graph_input(self):
+        """A graph break between head and loss: the loss graph sees the logits as an input."""
+        self.assertExpectedInline(
+            self._decisions(lambda logits, t: F.cross_entropy(logits.float(), t), torch.randn(6, V), torch.randint(0, V, (6,))),
+            """cce applied=False proof=None: the logits arrive as a graph input, so the classifier that produced them was compiled in another graph (a graph break between the head and the loss); find the break with TORCH_LOGS=graph_breaks and compile head and loss together (fullgraph=True shows it as an error)""",
+        )
+
+    def test_not_a_linear_classifier(self):
+        self.assertExpectedInline(
+            self._decisions(
+                lambda x, t: F.cross_entropy(torch.relu(x * 2), t), torch.randn(6, V), torch.randint(0, V, (6,))
+            ),
+            """cce applied=False proof=None: the logits come from relu (call_function relu), not from a linear classifier""",
+        )
+
+    def test_small_head_below_threshold(self):
+        """A 10-class head saves less than min_saved_bytes: declined, proved for every shape."""
+        head = nn.Linear(D, 10)
+        self.assertExpectedInline(
+            self._decisions(
+                lambda h, t: F.cross_entropy(head(h), t), torch.randn(64, D), torch.randint(0, 10, (64,)), force=False
+            ),
+            """cce applied=False proof=static: saving <bytes> is below min_saved_bytes=1048576 for every shape""",
+        )
+
+    def test_large_vocabulary_applies_without_force(self):
+        """Under dynamic shapes a tiny batch would not pay on CPU, so the decision rests on the size hint."""
+        vocab, dim, batch, seq = 8192, 16, 4, 1024
+        weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+
+        def fn(h, t):
+            return F.cross_entropy(F.linear(h, weight).float().view(-1, vocab), t.view(-1))
+
+        ex = rewritten(
+            fn, torch.randn(batch, seq, dim), torch.randint(0, vocab, (batch, seq)), force=False, dynamic=True
+        )
+        self.assertExpectedInline(record_lines(ex), """cce applied=True proof=hint: logits never materialized; frees <bytes> for the example shapes (size hints)""")
+        record = ex.records[0]
+        self.assertIn("s", record.saved_bytes)  # symbolic in the batch and sequence sizes
+        self.assertGreater(record.saved_bytes_hint, batch * seq * vocab * 4)
