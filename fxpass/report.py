@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpass.shapes import format_bytes
+
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
@@ -81,7 +83,7 @@ class GraphReport:
             "|---|---|---|---|---|---|",
         ]
         for r in self.records:
-            saved = _mib(r.saved_bytes_hint) if r.saved_bytes_hint is not None else "-"
+            saved = format_bytes(r.saved_bytes_hint) if r.saved_bytes_hint is not None else "-"
             lines.append(
                 f"| {r.rule} | {'yes' if r.applied else 'no'} | {_short_source(r.source)} | {saved} "
                 f"| {r.proof or '-'} | {r.reason} |"
@@ -92,7 +94,7 @@ class GraphReport:
         applied = self.applied
         head = (
             f"memopt graph {self.graph_id}: {len(applied)} of {len(self.records)} candidates rewritten, "
-            f"about {_mib(self.saved_bytes_hint)} saved at the example shapes"
+            f"about {format_bytes(self.saved_bytes_hint)} saved at the example shapes"
         )
         return head + ("\n" + self.table() if self.records else "")
 
@@ -113,10 +115,6 @@ class GraphReport:
             )
             parts += ["## graph diff", "", "```diff", *diff, "```", ""]
         return "\n".join(parts)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _short_source(source: str | None) -> str:

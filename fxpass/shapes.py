@@ -51,6 +51,14 @@ def render(value: IntLike) -> str:
     return str(sympy.expand(expr(value)))
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: "3.2 GiB", "12.0 MiB", "96.0 KiB", "-40 B"."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 def numel(tensor: torch.Tensor) -> IntLike:
     n: IntLike = 1
     for size in tensor.shape:

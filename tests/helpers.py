@@ -40,7 +40,7 @@ def record_lines(explanation: fxpass.Explanation) -> str:
     lines = []
     for r in explanation.records:
         reason = re.sub(r" at \S+:\d+", "", r.reason)
-        reason = re.sub(r"-?\d+(\.\d+)? (MiB|B)", "<bytes>", reason)
+        reason = re.sub(r"-?\d+(\.\d+)? (GiB|MiB|KiB|B)\b", "<bytes>", reason)
         lines.append(f"{r.rule} applied={r.applied} proof={r.proof}: {reason}")
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from fxpass.config import Config
 from fxpass.graph import GraphFacts
-from fxpass.shapes import MemoryModel, Verdict, clears
+from fxpass.shapes import MemoryModel, Verdict, clears, format_bytes
 
 
 class Candidate(Protocol):
@@ -54,16 +54,12 @@ def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision
     verdict = clears(memory.saved, config.min_saved_bytes)
     how = "for every shape" if verdict.proof == "static" else "for the example shapes (size hints)"
     if verdict.pays:
-        reason = f"{what}; frees {_mib(verdict.saved_hint)} {how}"
+        reason = f"{what}; frees {format_bytes(verdict.saved_hint)} {how}"
     elif config.force:
-        reason = f"{what}; forced (force=True) although the saving is {_mib(verdict.saved_hint)} {how}"
+        reason = f"{what}; forced (force=True) although the saving is {format_bytes(verdict.saved_hint)} {how}"
         return Decision(True, reason, memory, verdict)
     else:
         reason = (
-            f"saving {_mib(verdict.saved_hint)} is below min_saved_bytes={config.min_saved_bytes} {how}"
+            f"saving {format_bytes(verdict.saved_hint)} is below min_saved_bytes={config.min_saved_bytes} {how}"
         )
     return Decision(verdict.pays, reason, memory, verdict)
-
-
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if abs(n) >= (1 << 20) else f"{n} B"
