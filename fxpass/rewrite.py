@@ -87,8 +87,13 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     """A copy to restore if a rule fails halfway (nodes and their meta; example values are shared)."""
     copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
     copy._codegen = graph._codegen
-    value, output = copy.graph_copy(graph, {}, return_output_node=True)
+    val_map: dict[fx.Node, fx.Node] = {}
+    value, output = copy.graph_copy(graph, val_map, return_output_node=True)
     copy.output(value, type_expr=output.type).meta = output.meta.copy()
+    # Dynamo keeps each input's source as a node attribute, not in meta; AOTAutograd asserts it is there.
+    for old, new in val_map.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     return copy
 
 

@@ -414,7 +414,7 @@ def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
             forward, backward
         ),
     }
-    return shapes.MemoryModel(before, working_set(rows, vocab, dim, hidden.dtype))
+    return shapes.MemoryModel(before, working_set(rows, vocab, dim, hidden.dtype, hidden.device))
 
 
 def _materializes(node: fx.Node) -> bool:

@@ -9,32 +9,40 @@
 ``lse`` is the per-row log-sum-exp of the logits, differentiable, for z-loss terms.
 
 Autograd saves hidden, weight, bias, targets and the [N] log-sum-exp, never logits; the backward op
-recomputes them chunk by chunk (CPU) or tile by tile on chip (CUDA kernels).
+recomputes them chunk by chunk. On CUDA the forward is a Triton kernel that Inductor emits in its output
+code and the backward an opaque op running Triton kernels and GEMMs (``kernels.py``); on CPU both are the
+chunked PyTorch reference (``reference.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowerings._library import device_op, reference_op
+from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
 from lowerings.cce import reference
+
+if HAS_TRITON:
+    from lowerings.cce import kernels
 
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype) -> dict[str, object]:
+def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
     """Bytes the op keeps beyond its inputs and outputs, by name: what the graph rewrite's model charges.
 
-    Sizes may be SymInts; the result is then symbolic too. The chunk is the CPU reference's; the CUDA
-    kernels keep their tiles on chip and need less.
+    Sizes may be SymInts; the result is then symbolic too.
     """
     acc_bytes = reference.compute_dtype(dtype).itemsize
-    terms: dict[str, object] = {
-        "saved: log-sum-exp [N]": n_rows * acc_bytes,
-        "transient: one chunk of logits, probabilities and their gradient": (
-            3 * torch.sym_min(n_rows, reference.chunk_rows(vocab)) * vocab * acc_bytes
-        ),
-    }
+    terms: dict[str, object] = {"saved: log-sum-exp [N]": n_rows * acc_bytes}
+    if device.type == "cuda" and HAS_TRITON:
+        columns = min(vocab, kernels.CHUNK_COLUMNS)
+        terms["transient: one column chunk of logit gradients [N, chunk]"] = n_rows * columns * dtype.itemsize
+        terms["transient: hidden-state gradient accumulator and chunk product [N, D]"] = (
+            n_rows * dim * (acc_bytes + dtype.itemsize)
+        )
+        return terms
+    rows = torch.sym_min(n_rows, reference.chunk_rows(vocab))
+    terms["transient: one chunk of logits, probabilities and their gradient"] = 3 * rows * vocab * acc_bytes
     if dtype.itemsize < acc_bytes:
         terms["transient: weight-gradient accumulator [V, D]"] = vocab * dim * acc_bytes
     return terms
@@ -59,8 +67,8 @@ def _(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap):
     return rows, torch.empty_like(rows)
 
 
-@reference_op("cce_backward_reference")
-def cce_backward_reference(
+@reference_op("cce_backward_rows")
+def cce_backward_rows(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -81,10 +89,21 @@ def cce_backward_reference(
     )
 
 
-@cce_backward_reference.register_fake
+@cce_backward_rows.register_fake
 def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
       need_hidden, need_weight, need_bias):
     return _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
+
+
+if HAS_TRITON:
+
+    @cce_backward_rows.register_kernel("cuda")
+    def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
+          need_hidden, need_weight, need_bias):
+        needs = (need_hidden, need_weight, need_bias)
+        return kernels.backward(
+            hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs
+        )
 
 
 def _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
@@ -147,9 +166,16 @@ def cce(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
-    losses, lse = torch.ops.memopt.cce_rows_reference(
-        hidden, weight, bias, targets, ignore_index, label_smoothing, softcap
-    )
+    if HAS_TRITON and on_cuda(hidden, weight, targets):
+        torch._assert_async(
+            ((targets == ignore_index) | ((targets >= 0) & (targets < weight.shape[0]))).all(),
+            "memopt.cce: a target is out of bounds",
+        )
+        losses, lse = kernels.forward_rows(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
+    else:
+        losses, lse = torch.ops.memopt.cce_rows_reference(
+            hidden, weight, bias, targets, ignore_index, label_smoothing, softcap
+        )
     return _reduce(losses, targets != ignore_index, reduction), lse
 
 
@@ -171,7 +197,7 @@ def cce_backward(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_rows = _grad_rows(grad_loss, targets != ignore_index, reduction)
-    return torch.ops.memopt.cce_backward_reference(
+    return torch.ops.memopt.cce_backward_rows(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
         need_hidden, need_weight, need_bias,
     )

@@ -1,0 +1,263 @@
+"""Triton kernels of ``memopt::cce`` (CUDA): the N×V logits exist only as on-chip tiles or small chunks.
+
+Forward (Wijmans et al. 2024, Alg. 2, with a split over the vocabulary instead of a lock-merged LSE): each
+program owns a tile of rows and a slice of the vocabulary, computes logit tiles with the full hidden
+dimension on chip and keeps a running max and sum of exponentials in fp32 (online softmax, Milakov &
+Gimelshein 2018). The few per-slice partials are merged with ordinary tensor ops.
+
+Backward: the vocabulary is walked in column chunks. For each chunk a kernel recomputes the logit tiles and
+writes ``∂loss/∂logits`` for the chunk (softmax − one-hot, label smoothing and softcap chain rule folded in)
+in the input dtype; two GEMMs then give the chunk's exact rows of ``∂C = Gᵀ E`` (fp32 accumulation inside
+the GEMM, one rounding) and add ``G C`` into an fp32 accumulator of ``∂E``. Nothing is accumulated in 16-bit
+precision, which is where Apple's default kernels lose accuracy.
+
+The forward launcher goes through ``torch.library.wrap_triton`` so that Inductor sees and emits the kernel
+when the op is compiled. The backward runs inside an opaque op: its chunk loop writes slices of the gradient
+buffers, which functionalization would turn into copies of whole gradients. With ``TRITON_INTERPRET=1``
+(CPU tests) both launch the interpreted kernels directly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Columns of ∂loss/∂logits materialized per backward chunk (N × CHUNK_COLUMNS in the input dtype).
+CHUNK_COLUMNS = 2048
+# Vocabulary columns per forward program: enough programs to fill an H100 at a few thousand tokens.
+FORWARD_SPLIT_COLUMNS = 16384
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launchable(kernel):
+    if _interpreting():
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _logit_tile(
+    E, C, bias, rows, cols, n_rows, n_cols, dim,
+    stride_en, stride_ed, stride_cv, stride_cd,
+    softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (softcapped), and tanh(x/c) for the chain rule."""
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    e_rows = E + rows.to(tl.int64)[:, None] * stride_en
+    c_rows = C + cols.to(tl.int64)[:, None] * stride_cv
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for k in range(0, dim, BLOCK_D):
+        ks = k + tl.arange(0, BLOCK_D)
+        k_ok = ks < dim
+        e = tl.load(e_rows + ks[None, :] * stride_ed, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        c = tl.load(c_rows + ks[None, :] * stride_cd, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:  # fp32 operands (and the CPU interpreter, whose 16-bit dot is wrong) multiply exactly
+            e = e.to(tl.float32)
+            c = c.to(tl.float32)
+            acc = tl.dot(e, tl.trans(c), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(e, tl.trans(c), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    capped = acc
+    if HAS_SOFTCAP:
+        capped = _tanh(acc / softcap)
+        acc = capped * softcap
+    return acc, capped
+
+
+@triton.jit
+def _lse_forward_kernel(
+    E, C, bias, targets,
+    part_max, part_sum, part_target, part_logit_sum,
+    n_rows, n_cols, dim, cols_per_split,
+    stride_en, stride_ed, stride_cv, stride_cd,
+    softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_LOGIT_SUM: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per (row tile, vocabulary slice): running max, Σexp, target logit and Σlogits, all fp32."""
+    pid = tl.program_id(0)
+    row_tiles = tl.cdiv(n_rows, BLOCK_N)
+    split = pid // row_tiles
+    rows = (pid % row_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    target = tl.load(targets + rows, mask=row_ok, other=-1).to(tl.int64)
+    col_lo = split * cols_per_split
+    col_hi = tl.minimum(col_lo + cols_per_split, n_cols)
+    run_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    run_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    target_logit = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    logit_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v in range(col_lo, col_hi, BLOCK_V):
+        cols = v + tl.arange(0, BLOCK_V)
+        logits, _ = _logit_tile(
+            E, C, bias, rows, cols, n_rows, col_hi, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
+            HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
+        )
+        col_ok = (cols < col_hi)[None, :]
+        target_logit += tl.sum(tl.where(cols.to(tl.int64)[None, :] == target[:, None], logits, 0.0), axis=1)
+        if WANT_LOGIT_SUM:
+            logit_sum += tl.sum(tl.where(col_ok, logits, 0.0), axis=1)
+        logits = tl.where(col_ok, logits, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(logits, axis=1))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), axis=1)
+        run_max = new_max
+    out = split * n_rows + rows
+    tl.store(part_max + out, run_max, mask=row_ok)
+    tl.store(part_sum + out, run_sum, mask=row_ok)
+    tl.store(part_target + out, target_logit, mask=row_ok)
+    if WANT_LOGIT_SUM:
+        tl.store(part_logit_sum + out, logit_sum, mask=row_ok)
+
+
+@triton.jit
+def _grad_logits_kernel(
+    E, C, bias, targets, lse, grad_rows, grad_lse, G,
+    n_rows, n_cols, dim, col_start, chunk_cols,
+    stride_en, stride_ed, stride_cv, stride_cd, stride_gn,
+    smoothing_keep, smoothing_spread, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """G[n, j] = ∂(Σ g_n·loss_n + Σ h_n·lse_n)/∂logit[n, col_start + j], written in G's dtype.
+
+    ∂loss/∂z = softmax(z) − (1 − ε)·onehot − ε/V and ∂lse/∂z = softmax(z); through the softcap
+    z = c·tanh(x/c) both are multiplied by 1 − tanh²(x/c).
+    """
+    col_tiles = tl.cdiv(chunk_cols, BLOCK_V)
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    local = (pid % col_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols = col_start + local
+    row_ok = rows < n_rows
+    logits, capped = _logit_tile(
+        E, C, bias, rows, cols, n_rows, n_cols, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
+        HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
+    )
+    row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
+    g_loss = tl.load(grad_rows + rows, mask=row_ok, other=0.0)
+    g_lse = tl.load(grad_lse + rows, mask=row_ok, other=0.0)
+    target = tl.load(targets + rows, mask=row_ok, other=-1).to(tl.int64)
+    probs = tl.exp(logits - row_lse[:, None])
+    grad = probs * (g_loss + g_lse)[:, None] - (g_loss * smoothing_spread)[:, None]
+    grad -= tl.where(cols.to(tl.int64)[None, :] == target[:, None], (g_loss * smoothing_keep)[:, None], 0.0)
+    if HAS_SOFTCAP:
+        grad = grad * (1.0 - capped * capped)
+    mask = row_ok[:, None] & (local < chunk_cols)[None, :]
+    tl.store(G + rows.to(tl.int64)[:, None] * stride_gn + local[None, :], grad.to(G.dtype.element_ty), mask=mask)
+
+
+def _blocks(dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes: large tiles for the tensor cores, tiny ones for the CPU interpreter."""
+    if _interpreting():
+        return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16}
+    if dtype == torch.float32:
+        return {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
+    if _interpreting():
+        return True
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+
+
+def forward_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss (0 on ignored rows) and log-sum-exp, fp32 [N]; the same contract as the reference."""
+    n_rows, dim = hidden.shape
+    n_cols = weight.shape[0]
+    blocks = _blocks(hidden.dtype)
+    cols_per_split = triton.cdiv(min(FORWARD_SPLIT_COLUMNS, n_cols), blocks["BLOCK_V"]) * blocks["BLOCK_V"]
+    splits = triton.cdiv(n_cols, cols_per_split)
+    part_max, part_sum, part_target, part_logit_sum = (
+        hidden.new_empty((splits, n_rows), dtype=torch.float32) for _ in range(4)
+    )
+    want_logit_sum = label_smoothing != 0.0
+    grid = (triton.cdiv(n_rows, blocks["BLOCK_N"]) * splits,)
+    _launchable(_lse_forward_kernel)[grid](
+        hidden, weight, bias, targets,
+        part_max, part_sum, part_target, part_logit_sum,
+        n_rows, n_cols, dim, cols_per_split,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        softcap or 1.0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, WANT_LOGIT_SUM=want_logit_sum,
+        IEEE=_ieee(hidden.dtype), **blocks,
+    )
+    row_max = part_max.amax(dim=0)
+    lse = row_max + torch.log((part_sum * torch.exp(part_max - row_max)).sum(dim=0))
+    target_logit = part_target.sum(dim=0)
+    loss = (1.0 - label_smoothing) * (lse - target_logit)
+    if want_logit_sum:
+        loss = loss + label_smoothing * (lse - part_logit_sum.sum(dim=0) / n_cols)
+    return torch.where(targets != ignore_index, loss, 0.0), lse
+
+
+def backward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    grad_lse: torch.Tensor,
+    label_smoothing: float,
+    softcap: float | None,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients w.r.t. hidden, weight, bias (empty where not needed); the reference's contract."""
+    n_rows, dim = hidden.shape
+    n_cols = weight.shape[0]
+    need_hidden, need_weight, need_bias = needs
+    blocks = _blocks(hidden.dtype)
+    chunk = min(CHUNK_COLUMNS, n_cols)
+    grad_chunk = hidden.new_empty((n_rows, chunk))
+    grad_hidden_acc = hidden.new_zeros((n_rows, dim), dtype=torch.float32) if need_hidden else None
+    grad_weight = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
+    grad_bias = weight.new_zeros(n_cols, dtype=torch.float32) if need_bias else None
+    grid = (triton.cdiv(n_rows, blocks["BLOCK_N"]) * triton.cdiv(chunk, blocks["BLOCK_V"]),)
+    for start in range(0, n_cols, chunk):
+        cols = min(chunk, n_cols - start)
+        g = grad_chunk[:, :cols]
+        _launchable(_grad_logits_kernel)[grid](
+            hidden, weight, bias, targets, lse, grad_rows, grad_lse, g,
+            n_rows, n_cols, dim, start, cols,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),
+            1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=_ieee(hidden.dtype), **blocks,
+        )
+        if need_weight:
+            torch.mm(g.t(), hidden, out=grad_weight[start : start + cols])
+        if grad_hidden_acc is not None:
+            grad_hidden_acc += torch.mm(g, weight[start : start + cols])
+        if grad_bias is not None:
+            grad_bias[start : start + cols] = torch.sum(g, dim=0, dtype=torch.float32)
+    grad_hidden = grad_hidden_acc.to(hidden.dtype) if grad_hidden_acc is not None else hidden.new_empty(0)
+    return (
+        grad_hidden,
+        grad_weight,
+        grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else weight.new_empty(0),
+    )
