@@ -4,7 +4,7 @@
     python benchmarks/cce.py --tokens 1024 --vocab 32000 --dim 512 --no-sweep   # quick
 
 Peers: torch eager (``F.cross_entropy((e @ c.T).float(), t)``), ``torch.compile`` of that code, Apple's
-``cut-cross-entropy`` (default ``cce`` and ``cce_exact``), Liger's fused linear cross-entropy, and
+``cut-cross-entropy`` (default, and with its gradient filter off), Liger's fused linear cross-entropy, and
 ``F.linear_cross_entropy`` where the torch version has it. memopt runs twice: its op called directly and the
 eager code compiled with ``backend="memopt"`` (the graph rewrite). Memory is the peak allocated above the
 inputs; time is the median of CUDA-event timings (``triton.testing.do_bench``); gradient errors are relative
@@ -85,20 +85,21 @@ def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:
         "torch.compile": lambda: torch.compile(torch_eager),
         "memopt (op)": lambda: linear_cross_entropy,
         "memopt (torch.compile rewrite)": lambda: torch.compile(torch_eager, backend=fxpass.memopt_backend),
-        "apple cce": lambda: _apple("cce"),
-        "apple cce_exact": lambda: _apple("cce_exact"),
+        "apple cce": lambda: _apple("high"),
+        "apple cce (no filter)": lambda: _apple(None),
         "liger": _liger,
         "F.linear_cross_entropy": _torch_linear_cross_entropy,
     }
     return {name: f for name, f in found.items() if include is None or name in include}
 
 
-def _apple(impl: str) -> LossFn | None:
+def _apple(filter_eps: str | None) -> LossFn | None:
+    """Apple's default kernels; ``filter_eps=None`` turns off its gradient filter (PyPI 25.1.1 API)."""
     try:
         from cut_cross_entropy import linear_cross_entropy as apple
     except ImportError:
         return None
-    return lambda e, c, t: apple(e, c, t, impl=impl)
+    return lambda e, c, t: apple(e, c, t, filter_eps=filter_eps)
 
 
 def _liger() -> LossFn | None:

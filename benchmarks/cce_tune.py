@@ -36,12 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     configs = [
         dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=w, num_stages=s)
         for bn, bv, bd, w, s in [
-            (128, 128, 64, 8, 3),
-            (128, 128, 64, 4, 4),
             (128, 256, 64, 8, 3),
             (256, 128, 64, 8, 3),
-            (128, 128, 128, 8, 2),
-            (64, 256, 64, 4, 4),
+            (256, 128, 64, 8, 4),
+            (128, 256, 64, 8, 4),
+            (256, 128, 32, 8, 5),
+            (128, 256, 32, 8, 5),
         ]
     ]
     original = kernels._blocks

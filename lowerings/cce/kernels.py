@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 # Columns of ∂loss/∂logits materialized per backward chunk (N × CHUNK_COLUMNS in the input dtype).
-CHUNK_COLUMNS = 2048
+CHUNK_COLUMNS = 4096
 # Vocabulary columns per forward program: enough programs to fill an H100 at a few thousand tokens.
 FORWARD_SPLIT_COLUMNS = 16384
 
@@ -162,13 +162,70 @@ def _grad_logits_kernel(
     tl.store(G + rows.to(tl.int64)[:, None] * stride_gn + local[None, :], grad.to(G.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _accumulate_product_kernel(
+    A, B, Acc, m_size, n_size, k_size,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """Acc[M, N] (fp32) += A[M, K] @ B[K, N]: the ∂E accumulation, with no 16-bit rounding of partials."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(m_size, BLOCK_M)
+    tiles_n = tl.cdiv(n_size, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
+    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < m_size
+    n_ok = rn < n_size
+    acc_ptrs = Acc + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    acc = tl.load(acc_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    a_rows = A + rm.to(tl.int64)[:, None] * stride_am
+    for k in range(0, k_size, BLOCK_K):
+        rk = k + tl.arange(0, BLOCK_K)
+        k_ok = rk < k_size
+        a = tl.load(a_rows + rk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(B + rk.to(tl.int64)[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(acc_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 def _blocks(dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes: large tiles for the tensor cores, tiny ones for the CPU interpreter."""
     if _interpreting():
         return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16}
     if dtype == torch.float32:
         return {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_N": 128, "BLOCK_V": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _product_blocks(dtype: torch.dtype) -> dict[str, int]:
+    if _interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in any (equal) dtype, accumulated in fp32."""
+    m_size, k_size = a.shape
+    n_size = b.shape[1]
+    blocks = _product_blocks(a.dtype)
+    grid = (triton.cdiv(m_size, blocks["BLOCK_M"]) * triton.cdiv(n_size, blocks["BLOCK_N"]),)
+    _accumulate_product_kernel[grid](
+        a, b, acc, m_size, n_size, k_size,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), acc.stride(0),
+        IEEE=_ieee(a.dtype), **blocks,
+    )
 
 
 def _ieee(dtype: torch.dtype) -> bool:
@@ -252,7 +309,7 @@ def backward(
         if need_weight:
             torch.mm(g.t(), hidden, out=grad_weight[start : start + cols])
         if grad_hidden_acc is not None:
-            grad_hidden_acc += torch.mm(g, weight[start : start + cols])
+            accumulate_product(grad_hidden_acc, g, weight[start : start + cols])
         if grad_bias is not None:
             grad_bias[start : start + cols] = torch.sum(g, dim=0, dtype=torch.float32)
     grad_hidden = grad_hidden_acc.to(hidden.dtype) if grad_hidden_acc is not None else hidden.new_empty(0)

@@ -37,9 +37,7 @@ def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype, device: torch.
     if device.type == "cuda" and HAS_TRITON:
         columns = min(vocab, kernels.CHUNK_COLUMNS)
         terms["transient: one column chunk of logit gradients [N, chunk]"] = n_rows * columns * dtype.itemsize
-        terms["transient: hidden-state gradient accumulator and chunk product [N, D]"] = (
-            n_rows * dim * (acc_bytes + dtype.itemsize)
-        )
+        terms["transient: fp32 accumulator of the hidden-state gradient [N, D]"] = n_rows * dim * acc_bytes
         return terms
     rows = torch.sym_min(n_rows, reference.chunk_rows(vocab))
     terms["transient: one chunk of logits, probabilities and their gradient"] = 3 * rows * vocab * acc_bytes
