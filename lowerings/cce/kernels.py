@@ -25,8 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-# Columns of ∂loss/∂logits materialized per backward chunk (N × CHUNK_COLUMNS in the input dtype).
+# Columns of ∂loss/∂logits materialized per backward chunk (N × columns in the input dtype): at most
+# CHUNK_COLUMNS, fewer when N is large so that a chunk stays within CHUNK_BYTES (but at least MIN_COLUMNS).
 CHUNK_COLUMNS = 4096
+CHUNK_BYTES = 64 << 20
+MIN_COLUMNS = 512
 # Vocabulary columns per forward program: enough programs to fill an H100 at a few thousand tokens.
 FORWARD_SPLIT_COLUMNS = 16384
 
@@ -273,6 +276,12 @@ def forward_rows(
     return torch.where(targets != ignore_index, loss, 0.0), lse
 
 
+def chunk_columns(n_rows: int, itemsize: int) -> int:
+    """Columns per backward chunk for ``n_rows`` tokens (a multiple of 128)."""
+    fitting = CHUNK_BYTES // max(1, n_rows * itemsize) // 128 * 128
+    return max(min(MIN_COLUMNS, CHUNK_COLUMNS), min(CHUNK_COLUMNS, fitting))
+
+
 def backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -290,7 +299,7 @@ def backward(
     n_cols = weight.shape[0]
     need_hidden, need_weight, need_bias = needs
     blocks = _blocks(hidden.dtype)
-    chunk = min(CHUNK_COLUMNS, n_cols)
+    chunk = min(n_cols, chunk_columns(n_rows, hidden.element_size()))
     grad_chunk = hidden.new_empty((n_rows, chunk))
     grad_hidden_acc = hidden.new_zeros((n_rows, dim), dtype=torch.float32) if need_hidden else None
     grad_weight = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)

@@ -35,8 +35,8 @@ def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype, device: torch.
     acc_bytes = reference.compute_dtype(dtype).itemsize
     terms: dict[str, object] = {"saved: log-sum-exp [N]": n_rows * acc_bytes}
     if device.type == "cuda" and HAS_TRITON:
-        columns = min(vocab, kernels.CHUNK_COLUMNS)
-        terms["transient: one column chunk of logit gradients [N, chunk]"] = n_rows * columns * dtype.itemsize
+        chunk = torch.sym_min(n_rows * kernels.CHUNK_COLUMNS, kernels.CHUNK_BYTES // dtype.itemsize)
+        terms["transient: one column chunk of logit gradients [N, chunk]"] = chunk * dtype.itemsize
         terms["transient: fp32 accumulator of the hidden-state gradient [N, D]"] = n_rows * dim * acc_bytes
         return terms
     rows = torch.sym_min(n_rows, reference.chunk_rows(vocab))

@@ -1,0 +1,219 @@
+"""Backend configuration: environment variables, explicit options over them, validation, option splitting."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fxpass.backend import split_options
+from fxpass.config import Config, ConfigError
+
+
+class TestDefaults:
+    """With no options and an empty environment memopt compiles with Inductor and conservative settings."""
+
+    def test_defaults(self):
+        config = Config.from_options({}, env={})
+        assert config == Config()
+        assert config.inner_compiler == "inductor"
+        assert config.debug_dir is None
+        assert config.disable == frozenset()
+        assert config.strict is False
+        assert config.min_saved_bytes == 1 << 20
+        assert config.force is False
+
+    def test_none_options(self):
+        assert Config.from_options(None, env={}) == Config()
+
+    def test_reads_os_environ_by_default(self, monkeypatch):
+        """Without ``env`` the process environment is read (HF Trainer's only route to options)."""
+        monkeypatch.setenv("MEMOPT_INNER_COMPILER", "aot_eager")
+        monkeypatch.setenv("MEMOPT_STRICT", "0")
+        config = Config.from_options()
+        assert config.inner_compiler == "aot_eager"
+        assert config.strict is False
+
+    def test_frozen(self):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            Config().force = True  # type: ignore[misc]
+
+    def test_config_error_is_value_error(self):
+        assert issubclass(ConfigError, ValueError)
+
+    def test_option_names(self):
+        assert set(Config.option_names()) == {
+            "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force"
+        }
+
+
+class TestEnvironment:
+    """Each MEMOPT_* variable sets its key; malformed values raise ConfigError naming the variable."""
+
+    def test_debug_dir(self):
+        assert Config.from_options({}, env={"MEMOPT_DEBUG_DIR": "/tmp/dump"}).debug_dir == "/tmp/dump"
+
+    def test_empty_variable_is_ignored(self):
+        config = Config.from_options({}, env={"MEMOPT_DEBUG_DIR": "", "MEMOPT_STRICT": "", "MEMOPT_DISABLE": ""})
+        assert config == Config()
+
+    def test_disable(self):
+        config = Config.from_options({}, env={"MEMOPT_DISABLE": "cce"})
+        assert config.disable == frozenset({"cce"})
+        assert not config.rule_enabled("cce")
+        assert config.rule_enabled("attention")
+
+    def test_disable_list_with_spaces(self):
+        config = Config.from_options({}, env={"MEMOPT_DISABLE": " cce , wta_crs,,"})
+        assert config.disable == frozenset({"cce", "wta_crs"})
+
+    def test_disable_unknown_rule(self):
+        with pytest.raises(ConfigError, match=r"unknown rules \['flash'\]"):
+            Config.from_options({}, env={"MEMOPT_DISABLE": "cce,flash"})
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [("1", True), ("true", True), ("YES", True), (" on ", True), ("0", False), ("false", False), ("off", False)],
+    )
+    def test_strict(self, text, expected):
+        assert Config.from_options({}, env={"MEMOPT_STRICT": text}).strict is expected
+
+    def test_strict_invalid(self):
+        with pytest.raises(ConfigError, match=r"MEMOPT_STRICT must be 0/1/true/false, got 'maybe'"):
+            Config.from_options({}, env={"MEMOPT_STRICT": "maybe"})
+
+    @pytest.mark.parametrize("name", ["inductor", "aot_eager", "eager"])
+    def test_inner_compiler(self, name):
+        assert Config.from_options({}, env={"MEMOPT_INNER_COMPILER": name}).inner_compiler == name
+
+    def test_inner_compiler_invalid(self):
+        with pytest.raises(ConfigError, match=r"inner_compiler must be one of .* got 'tvm'"):
+            Config.from_options({}, env={"MEMOPT_INNER_COMPILER": "tvm"})
+
+    def test_min_saved_bytes(self):
+        assert Config.from_options({}, env={"MEMOPT_MIN_SAVED_BYTES": "4096"}).min_saved_bytes == 4096
+        assert Config.from_options({}, env={"MEMOPT_MIN_SAVED_BYTES": "0"}).min_saved_bytes == 0
+
+    def test_min_saved_bytes_not_an_integer(self):
+        with pytest.raises(ConfigError, match=r"MEMOPT_MIN_SAVED_BYTES must be an integer, got '1MiB'"):
+            Config.from_options({}, env={"MEMOPT_MIN_SAVED_BYTES": "1MiB"})
+
+    def test_min_saved_bytes_negative(self):
+        with pytest.raises(ConfigError, match=r"min_saved_bytes must be >= 0, got -5"):
+            Config.from_options({}, env={"MEMOPT_MIN_SAVED_BYTES": "-5"})
+
+    def test_force(self):
+        assert Config.from_options({}, env={"MEMOPT_FORCE": "1"}).force is True
+        assert Config.from_options({}, env={"MEMOPT_FORCE": "0"}).force is False
+
+    def test_force_invalid(self):
+        with pytest.raises(ConfigError, match="MEMOPT_FORCE"):
+            Config.from_options({}, env={"MEMOPT_FORCE": "2"})
+
+
+class TestOptions:
+    """Explicit options win over the environment and are validated like it."""
+
+    ENV = {  # noqa: RUF012
+        "MEMOPT_DEBUG_DIR": "/from/env",
+        "MEMOPT_DISABLE": "cce",
+        "MEMOPT_STRICT": "1",
+        "MEMOPT_INNER_COMPILER": "eager",
+        "MEMOPT_MIN_SAVED_BYTES": "7",
+        "MEMOPT_FORCE": "1",
+    }
+
+    def test_environment_alone(self):
+        config = Config.from_options({}, env=self.ENV)
+        assert config == Config(
+            inner_compiler="eager",
+            debug_dir="/from/env",
+            disable=frozenset({"cce"}),
+            strict=True,
+            min_saved_bytes=7,
+            force=True,
+        )
+
+    def test_options_override_environment(self):
+        options = {
+            "debug_dir": "/from/options",
+            "disable": (),
+            "strict": False,
+            "inner_compiler": "aot_eager",
+            "min_saved_bytes": 0,
+            "force": False,
+        }
+        assert Config.from_options(options, env=self.ENV) == Config(
+            inner_compiler="aot_eager", debug_dir="/from/options", strict=False, min_saved_bytes=0
+        )
+
+    def test_partial_override_keeps_the_rest_of_the_environment(self):
+        config = Config.from_options({"strict": False}, env=self.ENV)
+        assert config.strict is False
+        assert config.inner_compiler == "eager"
+        assert config.disable == frozenset({"cce"})
+
+    @pytest.mark.parametrize("disable", ["cce", "cce,attention", ["cce"], ("cce", "attention"), {"cce"}])
+    def test_disable_forms(self, disable):
+        config = Config.from_options({"disable": disable}, env={})
+        assert isinstance(config.disable, frozenset)
+        assert "cce" in config.disable
+        assert not config.rule_enabled("cce")
+
+    def test_unknown_key_suggests(self):
+        with pytest.raises(ConfigError, match=r"unknown memopt option 'forse'; did you mean 'force'\?"):
+            Config.from_options({"forse": True}, env={})
+
+    def test_unknown_key_without_close_match(self):
+        with pytest.raises(ConfigError, match=r"unknown memopt option 'zzz' \(memopt options: ") as info:
+            Config.from_options({"zzz": 1}, env={})
+        assert "did you mean" not in str(info.value)
+
+    def test_unknown_rule(self):
+        with pytest.raises(ConfigError, match=r"cannot disable unknown rules \['ccee'\]"):
+            Config.from_options({"disable": ["ccee"]}, env={})
+
+    def test_bad_inner_compiler(self):
+        with pytest.raises(ConfigError, match="inner_compiler must be one of"):
+            Config.from_options({"inner_compiler": "cudagraphs"}, env={})
+
+    def test_negative_min_saved_bytes(self):
+        with pytest.raises(ConfigError, match="min_saved_bytes must be >= 0, got -1"):
+            Config.from_options({"min_saved_bytes": -1}, env={})
+
+    def test_invalid_option_not_rescued_by_valid_environment(self):
+        with pytest.raises(ConfigError):
+            Config.from_options({"inner_compiler": "tvm"}, env={"MEMOPT_INNER_COMPILER": "eager"})
+
+
+class TestSplitOptions:
+    """``split_options`` separates memopt keys from Inductor config keys and rejects anything else."""
+
+    def test_split(self):
+        ours, inductor = split_options(
+            {"force": True, "debug_dir": "d", "max_autotune": False, "epilogue_fusion": True}
+        )
+        assert ours == {"force": True, "debug_dir": "d"}
+        assert inductor == {"max_autotune": False, "epilogue_fusion": True}
+
+    def test_dashed_inductor_key(self):
+        """Inductor accepts "max-autotune" for "max_autotune"; the key is passed on unchanged."""
+        ours, inductor = split_options({"max-autotune": False})
+        assert ours == {}
+        assert inductor == {"max-autotune": False}
+
+    def test_empty(self):
+        assert split_options(None) == ({}, {})
+        assert split_options({}) == ({}, {})
+
+    def test_unknown_key(self):
+        with pytest.raises(ConfigError, match=r"unknown option 'max_autotunee'; did you mean 'max_autotune'\?"):
+            split_options({"max_autotunee": True})
+
+    def test_unknown_memopt_like_key(self):
+        with pytest.raises(ConfigError, match=r"unknown option 'inner_compilr'; did you mean 'inner_compiler'\?"):
+            split_options({"force": True, "inner_compilr": "eager"})
+
+    def test_unknown_key_lists_memopt_options(self):
+        with pytest.raises(ConfigError, match=r"memopt options: inner_compiler, debug_dir, .*Inductor config"):
+            split_options({"qqqqqqqq": 1})
