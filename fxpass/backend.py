@@ -47,6 +47,9 @@ def split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], di
 class MemoptBackend:
     """One configured backend: ``MemoptBackend(options={...})`` is usable as ``torch.compile(backend=...)``.
 
+    ``torch.compile`` accepts either ``mode=`` or ``options=``, not both; to combine a mode with memopt
+    options, pass ``backend=MemoptBackend(mode="max-autotune", options={...})``.
+
     Args:
         mode: torch.compile's mode ("reduce-overhead", "max-autotune", ...), applied to Inductor.
         options: memopt keys (see ``Config``) and Inductor config keys, as in ``torch.compile(options=)``.

@@ -50,6 +50,12 @@ class Config:
     force: bool = False
 
     def __post_init__(self) -> None:
+        _check_type("strict", self.strict, bool)
+        _check_type("force", self.force, bool)
+        _check_type("min_saved_bytes", self.min_saved_bytes, int)
+        _check_type("debug_dir", self.debug_dir, (str, type(None)))
+        if not all(isinstance(name, str) for name in self.disable):
+            raise ConfigError(f"disable must name rules, got {sorted(map(repr, self.disable))}")
         if self.inner_compiler not in INNER_COMPILERS:
             raise ConfigError(f"inner_compiler must be one of {INNER_COMPILERS}, got {self.inner_compiler!r}")
         unknown = set(self.disable) - set(RULE_NAMES)
@@ -81,6 +87,8 @@ class Config:
             values[key] = value
         if "disable" in values:
             values["disable"] = _parse_rule_list(values["disable"])
+        if isinstance(values.get("debug_dir"), os.PathLike):
+            values["debug_dir"] = os.fspath(values["debug_dir"])
         return cls(**values)
 
 
@@ -116,7 +124,16 @@ def _parse_bool(name: str, text: str) -> bool:
 def _parse_rule_list(value: str | Any) -> frozenset[str]:
     if isinstance(value, str):
         return frozenset(part.strip() for part in value.split(",") if part.strip())
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        raise ConfigError(f"disable must be a comma-separated string or a list of rule names, got {value!r}")
     return frozenset(value)
+
+
+def _check_type(name: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    """Options arrive untyped (dicts, env): say which one is wrong instead of failing later."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise ConfigError(f"{name} must be {expected}, got {value!r}")
 
 
 def _unknown_key_message(key: str, known: tuple[str, ...]) -> str:

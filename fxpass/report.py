@@ -96,7 +96,7 @@ class GraphReport:
             f"memopt graph {self.graph_id}: {len(applied)} of {len(self.records)} candidates rewritten, "
             f"about {format_bytes(self.saved_bytes_hint)} saved at the example shapes"
         )
-        return head + ("\n" + self.table() if self.records else "")
+        return head + ("\n\n" + self.table() if self.records else "")
 
     def to_markdown(self) -> str:
         parts = [f"# memopt report: graph {self.graph_id}", "", self.summary(), ""]

@@ -181,6 +181,26 @@ class TestOptions:
         with pytest.raises(ConfigError, match="min_saved_bytes must be >= 0, got -1"):
             Config.from_options({"min_saved_bytes": -1}, env={})
 
+    @pytest.mark.parametrize(
+        ("key", "value", "message"),
+        [
+            ("strict", "0", "strict must be bool"),
+            ("force", 1, "force must be bool"),
+            ("min_saved_bytes", "1024", "min_saved_bytes must be int"),
+            ("min_saved_bytes", True, "min_saved_bytes must be int"),
+            ("debug_dir", 3, "debug_dir must be str or NoneType"),
+            ("disable", None, "disable must be a comma-separated string"),
+            ("disable", [1], "disable must name rules"),
+        ],
+    )
+    def test_wrongly_typed_option(self, key, value, message):
+        """Untyped option dicts get a ConfigError naming the option, not a TypeError later on."""
+        with pytest.raises(ConfigError, match=message):
+            Config.from_options({key: value}, env={})
+
+    def test_path_debug_dir(self, tmp_path):
+        assert Config.from_options({"debug_dir": tmp_path}, env={}).debug_dir == str(tmp_path)
+
     def test_invalid_option_not_rescued_by_valid_environment(self):
         with pytest.raises(ConfigError):
             Config.from_options({"inner_compiler": "tvm"}, env={"MEMOPT_INNER_COMPILER": "eager"})

@@ -99,7 +99,7 @@ def test_low_precision_no_worse_than_eager(dtype, bias, softcap):
     grads = kernels.backward(
         hidden, weight, b, targets, lse, grad_rows, torch.zeros_like(lse), 0.0, softcap, (True, True, bias)
     )
-    pairs = [(ours, low, exact)] + list(zip((g for g in grads if g.numel()), low_grads, exact_grads, strict=True))
+    pairs = [(ours, low, exact), *zip((g for g in grads if g.numel()), low_grads, exact_grads, strict=True)]
     for index, (mine, theirs, truth) in enumerate(pairs):
         our_error = (mine.double() - truth).abs().max().item()
         eager_error = (theirs.double() - truth).abs().max().item()
