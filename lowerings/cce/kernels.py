@@ -8,8 +8,9 @@ Gimelshein 2018). The few per-slice partials are merged with ordinary tensor ops
 Backward: the vocabulary is walked in column chunks. For each chunk a kernel recomputes the logit tiles and
 writes ``∂loss/∂logits`` for the chunk (softmax − one-hot, label smoothing and softcap chain rule folded in)
 in the input dtype; two GEMMs then give the chunk's exact rows of ``∂C = Gᵀ E`` (fp32 accumulation inside
-the GEMM, one rounding) and add ``G C`` into an fp32 accumulator of ``∂E``. Nothing is accumulated in 16-bit
-precision, which is where Apple's default kernels lose accuracy.
+the GEMM, one rounding) and add ``G C`` into ``∂E``, whose running sum is kept in fp32 precision as a
+compensated pair of 16-bit tensors. Nothing is accumulated in plain 16-bit precision, which is where
+Apple's default kernels lose accuracy.
 
 The forward launcher goes through ``torch.library.wrap_triton`` so that Inductor sees and emits the kernel
 when the op is compiled. The backward runs inside an opaque op: its chunk loop writes slices of the gradient
@@ -167,12 +168,17 @@ def _grad_logits_kernel(
 
 @triton.jit
 def _accumulate_product_kernel(
-    A, B, Acc, m_size, n_size, k_size,
+    A, B, High, Low, m_size, n_size, k_size,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    COMPENSATED: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Acc[M, N] (fp32) += A[M, K] @ B[K, N]: the ∂E accumulation, with no 16-bit rounding of partials."""
+    """High + Low += A[M, K] @ B[K, N] in fp32: the ∂E accumulation, with no 16-bit rounding of partials.
+
+    For 16-bit outputs the running sum is kept as an unevaluated pair high + low of two 16-bit numbers
+    (~16 significant bits, Dekker 1971), so ``High`` ends as the correctly rounded result and no separate
+    fp32 buffer is needed; for fp32 outputs ``High`` alone is the accumulator.
+    """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(m_size, BLOCK_M)
     tiles_n = tl.cdiv(n_size, BLOCK_N)
@@ -185,8 +191,11 @@ def _accumulate_product_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < m_size
     n_ok = rn < n_size
-    acc_ptrs = Acc + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-    acc = tl.load(acc_ptrs, mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+    out_ok = m_ok[:, None] & n_ok[None, :]
+    offsets = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+    acc = tl.load(High + offsets, mask=out_ok, other=0.0).to(tl.float32)
+    if COMPENSATED:
+        acc += tl.load(Low + offsets, mask=out_ok, other=0.0).to(tl.float32)
     a_rows = A + rm.to(tl.int64)[:, None] * stride_am
     for k in range(0, k_size, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
@@ -198,7 +207,10 @@ def _accumulate_product_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    tl.store(acc_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+    high = acc.to(High.dtype.element_ty)  # round to nearest on GPUs (Triton's CPU interpreter truncates)
+    tl.store(High + offsets, high, mask=out_ok)
+    if COMPENSATED:
+        tl.store(Low + offsets, (acc - high.to(tl.float32)).to(Low.dtype.element_ty), mask=out_ok)
 
 
 def _blocks(dtype: torch.dtype) -> dict[str, int]:
@@ -218,16 +230,19 @@ def _product_blocks(dtype: torch.dtype) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
-def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in any (equal) dtype, accumulated in fp32."""
+def accumulate_product(high: torch.Tensor, low: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``high (+ low) += a @ b``, summed in fp32; ``low`` holds the compensation of a 16-bit ``high``.
+
+    ``high`` and ``low`` are contiguous [M, N]; ``a`` [M, K] and ``b`` [K, N] may be strided.
+    """
     m_size, k_size = a.shape
     n_size = b.shape[1]
     blocks = _product_blocks(a.dtype)
     grid = (triton.cdiv(m_size, blocks["BLOCK_M"]) * triton.cdiv(n_size, blocks["BLOCK_N"]),)
     _accumulate_product_kernel[grid](
-        a, b, acc, m_size, n_size, k_size,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), acc.stride(0),
-        IEEE=_ieee(a.dtype), **blocks,
+        a, b, high, high if low is None else low, m_size, n_size, k_size,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), high.stride(0),
+        COMPENSATED=low is not None, IEEE=_ieee(a.dtype), **blocks,
     )
 
 
@@ -301,7 +316,8 @@ def backward(
     blocks = _blocks(hidden.dtype)
     chunk = min(n_cols, chunk_columns(n_rows, hidden.element_size()))
     grad_chunk = hidden.new_empty((n_rows, chunk))
-    grad_hidden_acc = hidden.new_zeros((n_rows, dim), dtype=torch.float32) if need_hidden else None
+    grad_hidden = hidden.new_zeros((n_rows, dim)) if need_hidden else hidden.new_empty(0)
+    compensation = torch.zeros_like(grad_hidden) if need_hidden and hidden.element_size() < 4 else None
     grad_weight = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
     grad_bias = weight.new_zeros(n_cols, dtype=torch.float32) if need_bias else None
     grid = (triton.cdiv(n_rows, blocks["BLOCK_N"]) * triton.cdiv(chunk, blocks["BLOCK_V"]),)
@@ -317,11 +333,10 @@ def backward(
         )
         if need_weight:
             torch.mm(g.t(), hidden, out=grad_weight[start : start + cols])
-        if grad_hidden_acc is not None:
-            accumulate_product(grad_hidden_acc, g, weight[start : start + cols])
+        if need_hidden:
+            accumulate_product(grad_hidden, compensation, g, weight[start : start + cols])
         if grad_bias is not None:
             grad_bias[start : start + cols] = torch.sum(g, dim=0, dtype=torch.float32)
-    grad_hidden = grad_hidden_acc.to(hidden.dtype) if grad_hidden_acc is not None else hidden.new_empty(0)
     return (
         grad_hidden,
         grad_weight,

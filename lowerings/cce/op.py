@@ -37,7 +37,8 @@ def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype, device: torch.
     if device.type == "cuda" and HAS_TRITON:
         chunk = torch.sym_min(n_rows * kernels.CHUNK_COLUMNS, kernels.CHUNK_BYTES // dtype.itemsize)
         terms["transient: one column chunk of logit gradients [N, chunk]"] = chunk * dtype.itemsize
-        terms["transient: fp32 accumulator of the hidden-state gradient [N, D]"] = n_rows * dim * acc_bytes
+        if dtype.itemsize < acc_bytes:
+            terms["transient: compensation of the hidden-state gradient sum [N, D]"] = n_rows * dim * dtype.itemsize
         return terms
     rows = torch.sym_min(n_rows, reference.chunk_rows(vocab))
     terms["transient: one chunk of logits, probabilities and their gradient"] = 3 * rows * vocab * acc_bytes
