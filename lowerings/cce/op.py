@@ -165,6 +165,7 @@ def cce(
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    targets = targets.long()  # any integer dtype, as PyTorch's cross_entropy accepts Byte as well as Long
     if HAS_TRITON and on_cuda(hidden, weight, targets):
         torch._assert_async(
             ((targets == ignore_index) | ((targets >= 0) & (targets < weight.shape[0]))).all(),
@@ -195,6 +196,7 @@ def cce_backward(
     need_weight: bool,
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    targets = targets.long()
     grad_rows = _grad_rows(grad_loss, targets != ignore_index, reduction)
     return torch.ops.memopt.cce_backward_rows(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,

@@ -1,0 +1,182 @@
+"""HF transformers models from tiny configs under ``backend="memopt"``: one CCE rewrite, eager's loss and gradients.
+
+No downloads: every model is built from a config, with all dropout probabilities 0 so eager and compiled runs see
+the same function. A step that returns only the loss is rewritten; one that returns the logits declines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import fxpass
+
+pytestmark = pytest.mark.slow
+
+VOCAB, SEQ, BATCH = 384, 12, 2
+FAST = {"force": True, "inner_compiler": "aot_eager"}
+ESCAPED = "are returned from the compiled graph"
+
+
+def _gpt2(n_layer: int = 2) -> transformers.GPT2LMHeadModel:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=n_layer, n_head=2, bos_token_id=1, eos_token_id=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name names no loss: without this, a warning graph-breaks
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied, as in the real GPT-2
+    return model
+
+
+def _llama() -> transformers.LlamaForCausalLM:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        attention_dropout=0.0,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def _bert() -> transformers.BertForMaskedLM:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32, pad_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    model = transformers.BertForMaskedLM(config)
+    model.loss_type = "ForMaskedLM"
+    return model
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
+
+
+def _batch(masked_lm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ))
+    labels = ids.clone()
+    if masked_lm:
+        keep = torch.rand(BATCH, SEQ) < 0.3
+        keep[:, 0] = True
+        labels[~keep] = -100
+    else:
+        labels[0, :3] = -100  # e.g. a prompt that is not trained on
+    return ids, labels
+
+
+def _parameters(model: torch.nn.Module) -> tuple[list[str], list[torch.nn.Parameter]]:
+    names, params = zip(*model.named_parameters(), strict=True)  # shared (tied) parameters appear once
+    return list(names), list(params)
+
+
+def _grads(loss: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(loss, params, allow_unused=True))
+
+
+def _final_reports() -> list[fxpass.GraphReport]:
+    """One report per compiled graph: the latest for each graph id (a graph may reach the backend twice)."""
+    return list({report.graph_id: report for report in fxpass.reports()}.values())
+
+
+def _cce_records(applied: bool) -> list[fxpass.RewriteRecord]:
+    return [r for g in _final_reports() for r in g.records if r.rule == "cce" and r.applied == applied]
+
+
+def _check_against_eager(model, step, *args, options=FAST, **tol):
+    """Compile ``step`` (fullgraph); its loss and every parameter gradient equal eager's; one CCE rewrite."""
+    names, params = _parameters(model)
+    expected = step(*args)
+    expected_grads = _grads(expected, params)
+
+    fxpass.clear_reports()
+    compiled = torch.compile(step, backend="memopt", fullgraph=True, options=options)
+    actual = compiled(*args)
+    actual_grads = _grads(actual, params)
+
+    applied = _cce_records(applied=True)
+    assert len(applied) == 1, [r.reason for g in _final_reports() for r in g.records]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(actual, expected, **tol)
+    assert len(actual_grads) == len(expected_grads) == len(names)
+    for name, a, e in zip(names, actual_grads, expected_grads, strict=True):
+        assert (a is None) == (e is None), name
+        if a is not None:
+            torch.testing.assert_close(a, e, msg=lambda m, n=name: f"gradient of {n}: {m}", **tol)
+    assert all(g is not None for g in actual_grads)  # every parameter is trained, the tied head included
+    return applied[0]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_loss_only_step_is_rewritten_and_matches_eager(name):
+    model = MODELS[name]()
+    ids, labels = _batch(masked_lm=name == "bert")
+
+    def step(ids, labels):
+        return model(input_ids=ids, labels=labels).loss
+
+    record = _check_against_eager(model, step, ids, labels)
+    assert record.params["vocab"] == str(VOCAB)
+    assert record.params["reduction"] == "mean" and record.params["ignore_index"] == -100
+    assert record.params["bias"] is (name == "bert")  # BERT's MLM decoder has a bias; the causal LMs do not
+    # The causal LMs shift the labels by padding them, so the op still sees B·T rows (the padded ones ignored).
+    assert record.params["tokens"] == str(BATCH * SEQ) and record.params["hidden_dim"] == "32"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_num_items_in_batch_rewrites_with_sum(name):
+    """HF's gradient-accumulation path: ``reduction="sum"`` then ``/ num_items_in_batch``."""
+    model = MODELS[name]()
+    ids, labels = _batch(masked_lm=False)
+    num_items = torch.tensor(int((labels[:, 1:] != -100).sum()) + 5)  # as if from a larger accumulated batch
+
+    def step(ids, labels, num_items):
+        return model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
+
+    record = _check_against_eager(model, step, ids, labels, num_items)
+    assert record.params["reduction"] == "sum"
+    # and it is not the plain mean: the division by num_items really reached the compiled graph
+    mean_loss = model(input_ids=ids, labels=labels).loss
+    assert not torch.allclose(step(ids, labels, num_items), mean_loss)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("returns", ["output", "loss_and_logits"])
+def test_returning_logits_declines(name, returns):
+    model = MODELS[name]()
+    ids, labels = _batch(masked_lm=name == "bert")
+
+    def whole_output(ids, labels):
+        return model(input_ids=ids, labels=labels)
+
+    def loss_and_logits(ids, labels):
+        out = model(input_ids=ids, labels=labels)
+        return out.loss, out.logits
+
+    fn = whole_output if returns == "output" else loss_and_logits
+    fxpass.clear_reports()
+    result = torch.compile(fn, backend="memopt", fullgraph=True, options=FAST)(ids, labels)
+    loss, logits = (result.loss, result.logits) if returns == "output" else result
+
+    assert _cce_records(applied=True) == []
+    declined = _cce_records(applied=False)
+    assert len(declined) == 1
+    assert ESCAPED in declined[0].reason and "compile a function that returns only the loss" in declined[0].reason
+    expected = model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(loss, expected.loss)
+    torch.testing.assert_close(logits, expected.logits)
+
+
+def test_gpt2_through_inductor():
+    """The default inner compiler: Inductor compiles the rewritten graph, memopt.cce stays an opaque op on CPU.
+
+    One layer: a cold Inductor compile on CPU costs tens of seconds per layer-sized graph.
+    """
+    model = _gpt2(n_layer=1)
+    ids, labels = _batch(masked_lm=False)
+
+    def step(ids, labels):
+        return model(input_ids=ids, labels=labels).loss
+
+    _check_against_eager(model, step, ids, labels, options={"force": True})
