@@ -80,6 +80,8 @@ class CceMatch:
     bias: fx.Node | None = None
     softcap: float | None = None
     blocker: str | None = None
+    # z-loss terms: (logsumexp node, the chain node it reads, casts between them) served by the op's lse
+    log_sum_exps: tuple[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]], ...] = ()
 
     @property
     def anchor(self) -> fx.Node:
@@ -88,7 +90,8 @@ class CceMatch:
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
         head = (self.classifier,) if self.classifier is not None else ()
-        return (*head, *self.path, self.loss.node)
+        extra = tuple(node for lse, _, casts in self.log_sum_exps for node in (*casts, lse))
+        return (*head, *self.path, *extra, self.loss.node)
 
     def params(self) -> Mapping[str, Any]:
         params: dict[str, Any] = {"form": self.loss.form}
@@ -107,6 +110,7 @@ class CceMatch:
             label_smoothing=self.loss.label_smoothing,
             softcap=self.softcap,
             bias=self.bias is not None,
+            z_loss_terms=len(self.log_sum_exps),
         )
         return params
 
@@ -178,6 +182,7 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
         return CceMatch(loss, path=path, blocker=classifier)
     hidden, weight, transposed, bias = classifier
     candidate = CceMatch(loss, path, source, hidden, weight, transposed, bias, softcap)
+    candidate = dataclasses.replace(candidate, log_sum_exps=_log_sum_exp_users(candidate))
     escape = _escape(candidate, facts)
     return dataclasses.replace(candidate, blocker=escape) if escape else candidate
 
@@ -370,6 +375,44 @@ def _checked(hidden, weight, transposed: bool, bias, vocab, node: fx.Node):
     return hidden, weight, transposed, bias
 
 
+def _log_sum_exp_users(candidate: CceMatch) -> tuple[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]], ...]:
+    """``logsumexp(logits, -1)`` terms (z-loss) the op's per-row log-sum-exp can replace.
+
+    The logsumexp may read any chain node after the softcap and before a log-softmax (possibly through dtype
+    casts of its own) as long as only casts, copies and reshapes follow that node on the way to the loss, so
+    that its rows are the loss rows in the same order.
+    """
+    chain = [candidate.classifier, *candidate.path]
+    first = max((i for i, node in enumerate(chain) if _softcap(node) is not None), default=0)
+    found = []
+    for position, node in enumerate(chain):
+        later = chain[position + 1 :]
+        if position < first or any(view_kind(n) is ViewKind.INDEX for n in later):
+            continue
+        if any(_is_log_softmax_over_last_dim(n) for n in chain[: position + 1]):
+            break  # past the log-softmax the rows hold log-probabilities, not logits
+        for user in node.users:
+            casts: tuple[fx.Node, ...] = ()
+            reader = user
+            if view_kind(user) in (ViewKind.CAST, ViewKind.COPY) and len(user.users) == 1:
+                casts, reader = (user,), next(iter(user.users))
+            if reader not in chain and _is_log_sum_exp_over_last_dim(reader):
+                found.append((reader, node, casts))
+    return tuple(found)
+
+
+def _is_log_sum_exp_over_last_dim(node: fx.Node) -> bool:
+    if not (is_call(node, torch.logsumexp) or is_method(node, "logsumexp")):
+        return False
+    bound = bind_args(node, ("input", "dim", "keepdim"), {"keepdim": False})
+    value = tensor_value(node.args[0]) if node.args else None
+    if bound is None or value is None or bound["keepdim"] is not False:
+        return False
+    dim = bound.get("dim")
+    dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % value.dim() == value.dim() - 1
+
+
 def _escape(candidate: CceMatch, facts: GraphFacts) -> str | None:
     """Why the logits stay alive anyway (used outside the loss, or returned), or None."""
     for node, user in facts.outside_users([candidate.classifier, *candidate.path], inside=candidate.nodes):
@@ -439,12 +482,14 @@ def apply(gm: fx.GraphModule, candidate: CceMatch) -> None:
 
     with graph.inserting_before(loss_node):
         hidden = candidate.hidden
+        hidden_at = {candidate.classifier: hidden}  # the hidden states whose rows match each chain node's
         for node in candidate.path:
             kind = view_kind(node)
             if kind is ViewKind.INDEX:
                 hidden = add("call_function", operator.getitem, hidden, node.args[1])
             elif kind is ViewKind.RESHAPE:
                 hidden = _replay_reshape(add, node, hidden, dim)
+            hidden_at[node] = hidden
         weight = candidate.weight
         if candidate.weight_is_transposed:
             weight = add("call_method", "t", weight)
@@ -461,13 +506,22 @@ def apply(gm: fx.GraphModule, candidate: CceMatch) -> None:
             float(loss.label_smoothing),
             candidate.softcap,
         )
-        result = add("call_function", operator.getitem, fused, 0)
-        wanted = tensor_value(loss_node).dtype
-        if tensor_value(result).dtype != wanted:
-            result = add("call_method", "to", result, wanted)
-    loss_node.replace_all_uses_with(result)
+        result = _cast_like(add, add("call_function", operator.getitem, fused, 0), loss_node)
+        replacements = [(loss_node, result)]
+        for lse_node, source, _ in candidate.log_sum_exps:
+            rows = add("call_function", operator.getitem, fused, 1)
+            size = add("call_method", "size", hidden_at[source])
+            lead = add("call_function", operator.getitem, size, slice(None, -1))
+            replacements.append((lse_node, _cast_like(add, add("call_method", "reshape", rows, lead), lse_node)))
+    for old, new in replacements:
+        old.replace_all_uses_with(new)
     transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
-    erase_unused([loss_node, *candidate.path, candidate.classifier, *transposes])
+    erase_unused([*candidate.nodes, *transposes])
+
+
+def _cast_like(add, node: fx.Node, like: fx.Node) -> fx.Node:
+    wanted = tensor_value(like).dtype
+    return node if tensor_value(node).dtype == wanted else add("call_method", "to", node, wanted)
 
 
 def _replay_reshape(add, node: fx.Node, hidden: fx.Node, dim) -> fx.Node:

@@ -207,6 +207,52 @@ class GraphModule(torch.nn.Module):
         return (getitem,)""")
         self.assertEqual(ex.applied[0].params["softcap"], 3.0)
 
+    def test_z_loss_uses_the_ops_log_sum_exp(self):
+        """A z-loss ``logsumexp(logits, -1)²`` reads the op's per-row log-sum-exp; no logits remain."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 5, D, requires_grad=True)
+        targets = torch.randint(0, V, (2, 5))
+
+        def loss(h, t):
+            logits = F.linear(h, weight)
+            ce = F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+            return ce + 1e-2 * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+        ex = _check_numerics(loss, [hidden, weight], hidden, targets)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 5, 8]cpu", L_weight_: "f32[40, 8]cpu", L_t_: "i64[2, 5]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_t_ = L_t_
+        view_1: "i64[10]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[10, 8]cpu" = l_h_.reshape(-1, 8)
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None);  reshape = l_weight_ = view_1 = None
+        getitem: "f32[]cpu" = cce_default[0]
+        getitem_1: "f32[10]cpu" = cce_default[1];  cce_default = None
+        size = l_h_.size();  l_h_ = None
+        getitem_2 = size[slice(None, -1, None)];  size = None
+        reshape_1: "f32[2, 5]cpu" = getitem_1.reshape(getitem_2);  getitem_1 = getitem_2 = None
+        pow_1: "f32[2, 5]cpu" = reshape_1.pow(2);  reshape_1 = None
+        mean: "f32[]cpu" = pow_1.mean();  pow_1 = None
+        mul: "f32[]cpu" = 0.01 * mean;  mean = None
+        add: "f32[]cpu" = getitem + mul;  getitem = mul = None
+        return (add,)""")
+        self.assertEqual(ex.applied[0].params["z_loss_terms"], 1)
+
+    def test_log_sum_exp_of_other_rows_is_an_escape(self):
+        """A logsumexp over logits the loss only sees shifted (``[:, :-1]``) cannot use the op's rows."""
+        weight, _ = _params()
+
+        def loss(h, t):
+            logits = F.linear(h, weight)
+            ce = F.cross_entropy(logits[:, :-1].reshape(-1, V), t[:, 1:].reshape(-1))
+            return ce + torch.logsumexp(logits, dim=-1).mean()
+
+        ex = rewritten(loss, torch.randn(2, 5, D), torch.randint(0, V, (2, 5)))
+        self.assertFalse(ex.applied)
+        self.assertIn("also used by logsumexp", ex.records[0].reason)
+
     def test_low_precision_logits_keep_loss_dtype(self):
         """bf16 logits without ``.float()``: the loss stays bf16 as in eager, computed in fp32 inside."""
         weight = nn.Parameter(torch.randn(V, D, dtype=torch.bfloat16))
