@@ -15,6 +15,7 @@ import difflib
 import itertools
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -140,13 +141,20 @@ def graph_code(gm: fx.GraphModule) -> str:
 
 
 def tracing_enabled() -> bool:
-    """Whether tlparse structured tracing (TORCH_TRACE) is on, so graph code is worth rendering."""
-    try:
-        from torch._logging._internal import trace_log
+    """Whether tlparse structured tracing (TORCH_TRACE) is on, so graph code is worth rendering.
 
-        return bool(trace_log.handlers)
-    except Exception:  # pragma: no cover - private API moved
+    torch always installs a lazy trace handler (it removes itself on first use when there is no trace
+    directory), and test runners add their own handlers, so handlers alone prove nothing: tracing is on when
+    torch's handler has a directory or the trace variables are set.
+    """
+    if os.environ.get("TORCH_TRACE") or os.environ.get("TORCH_DTRACE"):
+        return True
+    try:
+        from torch._logging import _internal
+    except ImportError:  # pragma: no cover - private API moved
         return False
+    handler = getattr(_internal, "LOG_TRACE_HANDLER", None)
+    return handler in _internal.trace_log.handlers and getattr(handler, "root_dir", None) is not None
 
 
 def publish(report: GraphReport, debug_dir: str | None) -> None:

@@ -228,8 +228,8 @@ class TestTlparse:
         assert code == fxpass.reports()[-1].after
         assert "torch.ops.memopt.cce" in code
 
-    def test_tracing_keeps_code(self, monkeypatch):
-        """With a handler on Dynamo's trace log (what TORCH_TRACE installs), both artifacts are written."""
+    def test_tracing_keeps_code(self, monkeypatch, tmp_path):
+        """Under TORCH_TRACE both artifacts reach the trace log (a capturing handler stands in for tlparse's)."""
         from torch._logging._internal import trace_log
 
         class Capture(logging.Handler):
@@ -245,11 +245,13 @@ class TestTlparse:
         assert not tracing_enabled()
         handler = Capture()
         trace_log.addHandler(handler)
+        monkeypatch.setenv("TORCH_TRACE", str(tmp_path))
         try:
             assert tracing_enabled()
             _run(_step())
         finally:
             trace_log.removeHandler(handler)
+        monkeypatch.delenv("TORCH_TRACE")
         assert not tracing_enabled()
         assert [name for name, _ in handler.artifacts] == ["memopt_report", "memopt_after_rewrite"]
         assert json.loads(handler.artifacts[0][1])["rewrites"][0]["rule"] == "cce"
