@@ -5,7 +5,7 @@
     print(fxpass.explain(step, batch))                             # what would be rewritten, and why
 """
 
-from fxpass.backend import MemoptBackend, memopt_backend
+from fxpass.backend import MemoptBackend, memopt_backend, memopt_wta_backend
 from fxpass.config import Config, ConfigError
 from fxpass.explain import Explanation, explain
 from fxpass.report import GraphReport, RewriteRecord, clear_reports, reports
@@ -22,6 +22,7 @@ __all__ = [
     "clear_reports",
     "explain",
     "memopt_backend",
+    "memopt_wta_backend",
     "reports",
     "rewrite_graph",
 ]

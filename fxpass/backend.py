@@ -107,6 +107,15 @@ def memopt_backend(
     return MemoptBackend(mode, options)(gm, example_inputs)
 
 
+def memopt_wta_backend(
+    gm: fx.GraphModule, example_inputs: list[Any], mode: str | None = None, options: Mapping[str, Any] | None = None
+) -> Callable:
+    """``backend="memopt_wta"``: memopt with WTA-CRS linears on at budget 0.3, for string-only users."""
+    from fxpass.rules.wta_crs import DEFAULT_BUDGET
+
+    return MemoptBackend(mode, {"wta_crs_budget": DEFAULT_BUDGET, **(options or {})})(gm, example_inputs)
+
+
 def _reset() -> None:
     """Called by ``torch._dynamo.reset()``; the function form cannot know the mode, so reset when CUDA is up."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -116,3 +125,4 @@ def _reset() -> None:
 
 
 memopt_backend.reset = _reset  # type: ignore[attr-defined]
+memopt_wta_backend.reset = _reset  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ ENV_STRICT = "MEMOPT_STRICT"
 ENV_INNER = "MEMOPT_INNER_COMPILER"
 ENV_MIN_SAVED = "MEMOPT_MIN_SAVED_BYTES"
 ENV_FORCE = "MEMOPT_FORCE"
+ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
 
 
 class ConfigError(ValueError):
@@ -40,6 +41,9 @@ class Config:
         min_saved_bytes: a rewrite applies only if it frees at least this many bytes.
         force: apply every rewrite that is possible even where the memory model says it does not pay
             (to debug a rewrite at toy sizes; the report says the decision was forced).
+        wta_crs_budget: fraction of activation rows WTA-CRS linears keep for the weight gradient (0 < b ≤ 1);
+            None leaves it off. It changes weight gradients (unbiased, with variance), so it is opt-in.
+        wta_crs_min_tokens: WTA-CRS only rewrites linears over at least this many token rows.
     """
 
     inner_compiler: str = "inductor"
@@ -48,12 +52,19 @@ class Config:
     strict: bool = False
     min_saved_bytes: int = 1 << 20
     force: bool = False
+    wta_crs_budget: float | None = None
+    wta_crs_min_tokens: int = 256
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
         _check_type("force", self.force, bool)
         _check_type("min_saved_bytes", self.min_saved_bytes, int)
         _check_type("debug_dir", self.debug_dir, (str, type(None)))
+        _check_type("wta_crs_min_tokens", self.wta_crs_min_tokens, int)
+        if self.wta_crs_budget is not None:
+            _check_type("wta_crs_budget", self.wta_crs_budget, (int, float))
+            if isinstance(self.wta_crs_budget, bool) or not 0 < self.wta_crs_budget <= 1:
+                raise ConfigError(f"wta_crs_budget must be in (0, 1], got {self.wta_crs_budget!r}")
         if not all(isinstance(name, str) for name in self.disable):
             raise ConfigError(f"disable must name rules, got {sorted(map(repr, self.disable))}")
         if self.inner_compiler not in INNER_COMPILERS:
@@ -102,6 +113,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["strict"] = _parse_bool(ENV_STRICT, env[ENV_STRICT])
     if env.get(ENV_FORCE):
         values["force"] = _parse_bool(ENV_FORCE, env[ENV_FORCE])
+    if env.get(ENV_WTA_BUDGET):
+        try:
+            values["wta_crs_budget"] = float(env[ENV_WTA_BUDGET])
+        except ValueError as e:
+            raise ConfigError(f"{ENV_WTA_BUDGET} must be a number in (0, 1], got {env[ENV_WTA_BUDGET]!r}") from e
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):

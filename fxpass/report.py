@@ -78,16 +78,17 @@ class GraphReport:
         }
 
     def table(self) -> str:
-        """A markdown table of the decisions."""
+        """A markdown table of the decisions; records with the same rule, outcome and reason share a row."""
         lines = [
             "| rule | applied | where | saves (hint) | proof | reason |",
             "|---|---|---|---|---|---|",
         ]
-        for r in self.records:
-            saved = format_bytes(r.saved_bytes_hint) if r.saved_bytes_hint is not None else "-"
+        for group in _grouped(self.records):
+            r = group[0]
+            saved = format_bytes(sum(g.saved_bytes_hint or 0 for g in group)) if r.saved_bytes_hint is not None else "-"
+            where = _short_source(r.source) + (f" (+{len(group) - 1} more)" if len(group) > 1 else "")
             lines.append(
-                f"| {r.rule} | {'yes' if r.applied else 'no'} | {_short_source(r.source)} | {saved} "
-                f"| {r.proof or '-'} | {r.reason} |"
+                f"| {r.rule} | {'yes' if r.applied else 'no'} | {where} | {saved} | {r.proof or '-'} | {r.reason} |"
             )
         return "\n".join(lines)
 
@@ -116,6 +117,13 @@ class GraphReport:
             )
             parts += ["## graph diff", "", "```diff", *diff, "```", ""]
         return "\n".join(parts)
+
+
+def _grouped(records: list[RewriteRecord]) -> list[list[RewriteRecord]]:
+    groups: dict[tuple[str, bool, str], list[RewriteRecord]] = {}
+    for record in records:
+        groups.setdefault((record.rule, record.applied, record.reason), []).append(record)
+    return list(groups.values())
 
 
 def _short_source(source: str | None) -> str:

@@ -47,7 +47,7 @@ def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config) -> list[RewriteRec
             decision = rule.decide(candidate, config)
             records.append(_record(rule.name, candidate, decision))
             if decision.apply:
-                rule.apply(gm, candidate)
+                rule.apply(gm, candidate, config)
         gm.graph.lint()
     except Exception as error:
         if config.strict:

@@ -2,7 +2,8 @@
 
 A rule module exports one ``Rule``. ``match`` inspects the graph and returns candidates (frozen dataclasses
 that change nothing); ``decide`` turns a candidate into a ``Decision`` with a reason and, when the candidate
-is complete, the memory model behind it; ``apply`` edits the graph for an accepted candidate.
+is complete, the memory model behind it; ``apply`` edits the graph for an accepted candidate (with the
+config, for parameters such as a budget).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Rule:
     name: str
     match: Callable[[GraphFacts], list[Any]]
     decide: Callable[[Any, Config], Decision]
-    apply: Callable[[fx.GraphModule, Any], None]
+    apply: Callable[[fx.GraphModule, Any, Config], None]
 
 
 def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision:

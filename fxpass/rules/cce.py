@@ -471,7 +471,7 @@ def _materializes(node: fx.Node) -> bool:
 # --- apply ------------------------------------------------------------------------------------------------
 
 
-def apply(gm: fx.GraphModule, candidate: CceMatch) -> None:
+def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
     graph = gm.graph
     loss_node = candidate.loss.node
     fake_mode = fake_mode_of([loss_node, candidate.hidden])

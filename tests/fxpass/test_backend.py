@@ -243,8 +243,8 @@ class TestFailingRule:
         def failing_decide(candidate, config):
             raise RuntimeError(message)
 
-        def failing_apply(gm, candidate):
-            cce.apply(gm, candidate)  # edit the graph halfway, then fail
+        def failing_apply(gm, candidate, config):
+            cce.apply(gm, candidate, config)  # edit the graph halfway, then fail
             raise RuntimeError(message)
 
         failing = {"match": failing_match, "decide": failing_decide, "apply": failing_apply}[where]

@@ -22,6 +22,7 @@ class TestDefaults:
         assert config.strict is False
         assert config.min_saved_bytes == 1 << 20
         assert config.force is False
+        assert config.wta_crs_budget is None  # WTA-CRS changes gradients: off unless asked for
 
     def test_none_options(self):
         assert Config.from_options(None, env={}) == Config()
@@ -43,7 +44,8 @@ class TestDefaults:
 
     def test_option_names(self):
         assert set(Config.option_names()) == {
-            "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force"
+            "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
+            "wta_crs_min_tokens",
         }
 
 
@@ -105,6 +107,14 @@ class TestEnvironment:
     def test_force(self):
         assert Config.from_options({}, env={"MEMOPT_FORCE": "1"}).force is True
         assert Config.from_options({}, env={"MEMOPT_FORCE": "0"}).force is False
+
+    def test_wta_crs_budget(self):
+        assert Config.from_options(env={"MEMOPT_WTA_CRS_BUDGET": "0.3"}).wta_crs_budget == 0.3
+
+    @pytest.mark.parametrize("text", ["0", "1.5", "-0.1", "lots"])
+    def test_wta_crs_budget_invalid(self, text):
+        with pytest.raises(ConfigError, match=r"wta_crs_budget|MEMOPT_WTA_CRS_BUDGET"):
+            Config.from_options(env={"MEMOPT_WTA_CRS_BUDGET": text})
 
     def test_force_invalid(self):
         with pytest.raises(ConfigError, match="MEMOPT_FORCE"):

@@ -1,0 +1,274 @@
+"""WTA-CRS linear: linears whose weight gradient may be estimated save a sample of their input's rows.
+
+Eligible: ``F.linear`` / ``addmm`` (GPT-2's Conv1D) / ``matmul`` with a weight that needs a gradient, in a
+training graph (the output needs a gradient), over at least ``wta_crs_min_tokens`` token rows, and not the
+language-model head (the CCE rule's territory). Linears reading the same input (Q/K/V, gate/up) form one
+group and share one sample, stored once. The rewrite frees memory only if nothing else keeps the input alive
+(``fxpass.liveness``): a LayerNorm or a second matmul reading it, an activation that saves its output, a graph
+input or output; then it declines and says which op holds it. It is opt-in (``wta_crs_budget``), since
+it replaces exact weight gradients by unbiased estimates (Liu et al., NeurIPS 2023).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxpass import liveness, shapes
+from fxpass.config import Config
+from fxpass.graph import (
+    ADDMM_TARGETS,
+    CROSS_ENTROPY_TARGETS,
+    LINEAR_TARGETS,
+    LOG_SOFTMAX_TARGETS,
+    MATMUL_TARGETS,
+    NLL_LOSS_TARGETS,
+    GraphFacts,
+    bind_args,
+    erase_unused,
+    fake_mode_of,
+    insert_node,
+    is_call,
+    is_method,
+    is_param_transpose,
+    tensor_value,
+    view_kind,
+)
+from fxpass.rules.base import Decision, Rule, decide_on_saving
+
+NAME = "wta_crs"
+DEFAULT_BUDGET = 0.3  # the paper's main setting, and the budget of backend="memopt_wta"
+
+HOW_TO_ENABLE = (
+    "WTA-CRS is off: it replaces exact weight gradients by unbiased estimates, so it is opt-in; enable with "
+    "options={'wta_crs_budget': 0.3}, MEMOPT_WTA_CRS_BUDGET=0.3 or backend='memopt_wta'"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One linear of a group: ``out = x @ weightᵀ + bias`` (``weight`` stored [D_in, D_out] if transposed)."""
+
+    node: fx.Node
+    weight: fx.Node
+    weight_is_transposed: bool
+    bias: fx.Node | None
+
+
+@dataclasses.dataclass(frozen=True)
+class WtaMatch:
+    """Linears that read the same input, or a reason why they cannot be rewritten (``blocker``)."""
+
+    input: fx.Node
+    members: tuple[Member, ...]
+    period_source: fx.Node  # the tensor whose dimension -2 is the sequence length (or the input itself)
+    blocker: str | None = None
+
+    @property
+    def anchor(self) -> fx.Node:
+        return self.members[0].node
+
+    @property
+    def nodes(self) -> tuple[fx.Node, ...]:
+        return tuple(m.node for m in self.members)
+
+    @property
+    def key(self) -> str:
+        names = (str(m.weight.target if m.weight.op == "placeholder" else m.weight.name) for m in self.members)
+        return "wta_crs:" + ",".join(names)
+
+    def params(self) -> Mapping[str, Any]:
+        x = tensor_value(self.input)
+        return {
+            "linears": len(self.members),
+            "tokens": shapes.render(shapes.numel(x) // x.shape[-1]),
+            "in_features": shapes.render(x.shape[-1]),
+            "out_features": [shapes.render(_out_features(m)) for m in self.members],
+            "dtype": str(x.dtype).removeprefix("torch."),
+        }
+
+
+def _out_features(member: Member):
+    weight = tensor_value(member.weight)
+    return weight.shape[1] if member.weight_is_transposed else weight.shape[0]
+
+
+# --- match ------------------------------------------------------------------------------------------------
+
+
+def match(facts: GraphFacts) -> list[WtaMatch]:
+    groups: dict[fx.Node, list[Member]] = {}
+    for node in facts.gm.graph.nodes:
+        member = _linear(node)
+        if member is not None and _trains(member) and not _feeds_a_loss(node):
+            groups.setdefault(_input_of(node), []).append(member)
+    return [_candidate(x, tuple(members)) for x, members in groups.items()]
+
+
+def _linear(node: fx.Node) -> Member | None:
+    """The linear layer computed by ``node``, if it multiplies activations by a 2-D weight tensor."""
+    if is_call(node, *LINEAR_TARGETS):
+        bound = bind_args(node, ("input", "weight", "bias"), {"bias": None})
+        if bound and "weight" in bound and isinstance(bound["weight"], fx.Node):
+            return _member(node, bound["weight"], False, bound["bias"])
+    elif is_call(node, *ADDMM_TARGETS):
+        bound = bind_args(node, ("input", "mat1", "mat2", "beta", "alpha"), {"beta": 1, "alpha": 1})
+        if bound and len(bound) == 5 and bound["beta"] == 1 and bound["alpha"] == 1:
+            return _member(node, bound["mat2"], True, bound["input"])
+    elif (is_call(node, *MATMUL_TARGETS) or is_method(node, "matmul", "mm")) and len(node.args) == 2:
+        other = node.args[1]
+        if isinstance(other, fx.Node) and is_param_transpose(other):
+            return _member(node, other.args[0], False, None)
+        return _member(node, other, True, None)
+    return None
+
+
+def _member(node: fx.Node, weight, transposed: bool, bias) -> Member | None:
+    w, x = tensor_value(weight), tensor_value(_input_of(node))
+    if w is None or x is None or w.dim() != 2 or x.dim() < 2 or x.dtype != w.dtype:
+        return None
+    if bias is not None and (tensor_value(bias) is None or tensor_value(bias).dim() != 1):
+        return None
+    return Member(node, weight, transposed, bias)
+
+
+def _input_of(node: fx.Node) -> fx.Node:
+    return node.args[1] if is_call(node, *ADDMM_TARGETS) else node.args[0]
+
+
+def _trains(member: Member) -> bool:
+    """A training graph whose weight needs a gradient (else the input is not saved for it anyway)."""
+    out, weight = tensor_value(member.node), tensor_value(member.weight)
+    return out is not None and out.requires_grad and weight.requires_grad
+
+
+def _feeds_a_loss(node: fx.Node) -> bool:
+    """The language-model head: its output reaches a cross-entropy through views and casts."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        for user in current.users:
+            if is_call(user, *CROSS_ENTROPY_TARGETS, *NLL_LOSS_TARGETS, *LOG_SOFTMAX_TARGETS) or is_method(
+                user, "log_softmax"
+            ):
+                return True
+            if view_kind(user) is not None and user not in seen:
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
+def _candidate(x: fx.Node, members: tuple[Member, ...]) -> WtaMatch:
+    period_source = _sequence_source(x)
+    holders = liveness.holders(x, excluding=[m.node for m in members])
+    if holders:
+        names = "; ".join(h.describe() for h in holders[:3])
+        blocker = f"the input {x.name} stays alive anyway, held by {names}: sampling it frees nothing"
+        return WtaMatch(x, members, period_source, blocker)
+    return WtaMatch(x, members, period_source)
+
+
+def _sequence_source(x: fx.Node) -> fx.Node:
+    """A tensor whose dimension -2 is the sequence: ``x`` if 3-D or more, else what a flattening view read."""
+    value = tensor_value(x)
+    if value.dim() >= 3:
+        return x
+    source = x.args[0] if view_kind(x) is not None and isinstance(x.args[0], fx.Node) else None
+    if source is not None and tensor_value(source) is not None and tensor_value(source).dim() >= 3:
+        return source
+    return x
+
+
+# --- decide -----------------------------------------------------------------------------------------------
+
+
+def decide(candidate: WtaMatch, config: Config) -> Decision:
+    if candidate.blocker:
+        return Decision(False, candidate.blocker)
+    if config.wta_crs_budget is None:
+        memory = memory_model(candidate, DEFAULT_BUDGET)
+        verdict = shapes.clears(memory.saved, config.min_saved_bytes)
+        would = f"at budget {DEFAULT_BUDGET} it would free {shapes.format_bytes(verdict.saved_hint)}"
+        return Decision(False, f"{HOW_TO_ENABLE} ({would})", memory, verdict)
+    x = tensor_value(candidate.input)
+    rows = shapes.numel(x) // x.shape[-1]
+    few = shapes.clears(rows, config.wta_crs_min_tokens)
+    if not few.pays:
+        minimum = config.wta_crs_min_tokens
+        return Decision(False, f"{few.saved_hint} token rows, fewer than wta_crs_min_tokens={minimum}")
+    return decide_on_saving(memory_model(candidate, config.wta_crs_budget), config, "weight gradients from a sample")
+
+
+def memory_model(candidate: WtaMatch, budget: float) -> shapes.MemoryModel:
+    """The input saved whole (once for the group) against k sampled rows and their indices."""
+    from lowerings.wta_crs.reference import sample_size
+
+    x = tensor_value(candidate.input)
+    rows = shapes.numel(x) // x.shape[-1]
+    k = sample_size(rows, budget)
+    return shapes.MemoryModel(
+        before={"saved: input activations [N, D_in]": shapes.nbytes(x)},
+        after={
+            "saved: sampled rows [k, D_in]": k * x.shape[-1] * x.dtype.itemsize,
+            "saved: their indices [k]": k * 8,
+        },
+    )
+
+
+# --- apply ------------------------------------------------------------------------------------------------
+
+
+def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
+    graph = gm.graph
+    first = min(candidate.nodes, key=_position_in(graph))
+    fake_mode = fake_mode_of([candidate.input, first])
+
+    def add(op: str, target: Any, *args: Any) -> fx.Node:
+        return insert_node(graph, op, target, args, meta_from=first, fake_mode=fake_mode)
+
+    with graph.inserting_before(first):
+        weights, biases, bias_of = [], [], []
+        for member in candidate.members:
+            weights.append(add("call_method", "t", member.weight) if member.weight_is_transposed else member.weight)
+            bias_of.append(len(biases) if member.bias is not None else -1)
+            if member.bias is not None:
+                biases.append(member.bias)
+        period = _period_arg(add, candidate)
+        fused = add(
+            "call_function",
+            torch.ops.memopt.wta_crs_linears.default,
+            candidate.input,
+            weights,
+            biases,
+            bias_of,
+            float(config.wta_crs_budget),
+            period,
+            candidate.key,
+            True,
+        )
+        outputs = [add("call_function", operator.getitem, fused, i) for i in range(len(candidate.members))]
+    for member, output in zip(candidate.members, outputs, strict=True):
+        member.node.replace_all_uses_with(output)
+    erase_unused(candidate.nodes)
+
+
+def _period_arg(add, candidate: WtaMatch):
+    """Sequence length for positions: 0 lets the op read x.shape[-2]; otherwise a constant or a size node."""
+    if candidate.period_source is candidate.input:
+        return 0
+    length = tensor_value(candidate.period_source).shape[-2]
+    constant = shapes.constant(length)
+    return constant if constant is not None else add("call_method", "size", candidate.period_source, -2)
+
+
+def _position_in(graph: fx.Graph):
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+RULE = Rule(name=NAME, match=match, decide=decide, apply=apply)

@@ -1,0 +1,197 @@
+"""The WTA-CRS linear op: exact outputs and input gradients, unbiased weight gradients, lower variance than
+CRS, the promised saved bytes, reproducible draws. Unbiasedness is a z-test over thousands of draws."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowerings.wta_crs import reference, reset_estimates
+
+OP = torch.ops.memopt.wta_crs_linears.default
+
+
+@pytest.fixture(autouse=True)
+def _fresh_estimates():
+    reset_estimates()
+    yield
+    reset_estimates()
+
+
+def _heavy_tailed(rows, dim, sigma, generator, dtype=torch.float64):
+    """Rows with lognormal scales: a few tokens dominate, as in real activations and gradients."""
+    scales = torch.exp(sigma * torch.randn(rows, 1, generator=generator, dtype=dtype))
+    return scales * torch.randn(rows, dim, generator=generator, dtype=dtype)
+
+
+def _problem(rows=96, d_in=12, d_out=7, sigma=1.0, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    x = _heavy_tailed(rows, d_in, sigma, gen, dtype)
+    weight = torch.randn(d_out, d_in, generator=gen, dtype=dtype)
+    grad_out = _heavy_tailed(rows, d_out, sigma, gen, dtype)
+    return x, weight, grad_out
+
+
+def _weight_grads(x, weight, grad_out, budget, draws, winners=True, key="test", reset_each=False):
+    """``draws`` independent estimates of ∂W, stacked [draws, D_out, D_in]."""
+    w = weight.detach().requires_grad_()
+    estimates = []
+    for _ in range(draws):
+        if reset_each:
+            reset_estimates(key)
+        out = OP(x, [w], [], [-1], budget, 0, key, winners)[0]
+        (grad,) = torch.autograd.grad(out, [w], grad_out)
+        estimates.append(grad)
+    return torch.stack(estimates)
+
+
+def _z_scores(estimates, exact):
+    mean = estimates.mean(0)
+    sd = estimates.std(0).clamp_min(1e-12)
+    return (mean - exact) / (sd / estimates.shape[0] ** 0.5)
+
+
+def test_outputs_input_and_bias_gradients_are_exact():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 25, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    w1, w2 = (torch.randn(n, 12, generator=gen, dtype=torch.float64, requires_grad=True) for n in (7, 5))
+    b2 = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
+    y1, y2, index, rows = OP(x, [w1, w2], [b2], [-1, 0], 0.3, 0, "exact", True)
+    assert torch.equal(y1, F.linear(x, w1)) and torch.equal(y2, F.linear(x, w2, b2))
+    assert index.shape == (30,) and rows.shape == (30, 12)  # k = ceil(0.3 · 100)
+    g1, g2 = torch.randn_like(y1), torch.randn_like(y2)
+    grad_x, grad_b = torch.autograd.grad([y1, y2], [x, b2], [g1, g2])
+    torch.testing.assert_close(grad_x, g1 @ w1 + g2 @ w2, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_b, g2.sum((0, 1)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("case", "sigma", "winners", "reset_each"),
+    [
+        ("warm gradient-norm history", 1.0, True, False),
+        ("no history (every draw is a first step)", 1.0, True, True),
+        ("plain CRS (no winners)", 1.0, False, False),
+        ("mild tails (the adaptive rule picks few winners)", 0.2, True, False),
+        ("heavy tails (many winners)", 2.0, True, False),
+    ],
+)
+def test_weight_gradient_is_unbiased(case, sigma, winners, reset_each):
+    """The mean of 2000 independent estimates matches Gᵀx entry by entry (|z| < 5) and in norm."""
+    x, weight, grad_out = _problem(sigma=sigma)
+    exact = grad_out.t() @ x
+    draws = 2000
+    estimates = _weight_grads(x, weight, grad_out, 0.3, draws, winners=winners, reset_each=reset_each)
+    z = _z_scores(estimates, exact)
+    assert z.abs().max() < 5.0, (case, z.abs().max().item())
+    mse = (estimates - exact).square().sum((1, 2)).mean()
+    relative_error_of_mean = (estimates.mean(0) - exact).norm() / exact.norm()
+    assert relative_error_of_mean < 4 * (mse / draws).sqrt() / exact.norm(), case
+
+
+def test_zero_rows_and_full_budget():
+    """Padding rows (all zero) never break unbiasedness; a budget of 1 saves every row and is exact."""
+    x, weight, grad_out = _problem(rows=64)
+    x[::3] = 0.0
+    exact = grad_out.t() @ x
+    z = _z_scores(_weight_grads(x, weight, grad_out, 0.25, 2000), exact)
+    assert z.abs().max() < 5.0
+    full = _weight_grads(x, weight, grad_out, 1.0, 2)
+    torch.testing.assert_close(full[0], exact, rtol=1e-12, atol=1e-12)
+
+
+def test_variance_below_plain_crs_on_heavy_tails():
+    """Same budget and probabilities: WTA-CRS's mean squared error is below CRS's (the paper's claim)."""
+    x, weight, grad_out = _problem(rows=256, sigma=1.0, seed=3)
+    exact = grad_out.t() @ x
+
+    def mse(winners):
+        estimates = _weight_grads(x, weight, grad_out, 0.3, 600, winners=winners, key=f"v{winners}")
+        return ((estimates - exact).square().sum((1, 2)).mean() / exact.square().sum()).item()
+
+    wta, crs = mse(True), mse(False)
+    assert wta < 0.8 * crs, (wta, crs)
+
+
+def test_winner_count_follows_the_adaptive_rule():
+    """|C| = argmin_c (1 − P_c)/(k − c): the slots of weight 1 are exactly the top-|C| rows."""
+    gen = torch.Generator().manual_seed(5)
+    p = torch.softmax(3 * torch.randn(200, generator=gen), 0)
+    k = 40
+    index, weight = reference.draw(p, k)
+    top = torch.topk(p, k)
+    before = torch.cat([torch.zeros(1), torch.cumsum(top.values, 0)[:-1]])
+    expected = int(torch.argmin((1 - before) / (k - torch.arange(k))))
+    assert expected > 0
+    assert torch.equal(index[:expected], top.indices[:expected])
+    assert torch.all(weight[:expected] == 1)
+    residual = 1 - top.values[:expected].sum()
+    torch.testing.assert_close(weight[expected:], residual / ((k - expected) * p[index[expected:]]), rtol=1e-4, atol=0)
+
+
+def test_saved_tensors_are_the_sample():
+    """Autograd keeps k rows and k indices (plus the parameters), never the whole input."""
+    x = torch.randn(8, 50, 32, requires_grad=True)
+    weights = [torch.nn.Parameter(torch.randn(n, 32)) for n in (16, 16, 16)]
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        OP(x, weights, [], [-1, -1, -1], 0.1, 0, "saved", True)
+    parameters = {w.untyped_storage().data_ptr() for w in weights}
+    activations = [t for t in saved if t.untyped_storage().data_ptr() not in parameters]
+    k = 40  # ceil(0.1 · 400), shared by the three linears
+    assert sorted(tuple(t.shape) for t in activations) == [(k,), (k, 32)]
+    assert sum(t.numel() * t.element_size() for t in activations) == k * 32 * 4 + k * 8
+
+
+def test_draws_follow_the_global_seed():
+    x, weight, grad_out = _problem(rows=80)
+
+    def one(seed):
+        torch.manual_seed(seed)
+        reset_estimates()
+        return _weight_grads(x, weight, grad_out, 0.2, 3)
+
+    assert torch.equal(one(7), one(7))
+    assert not torch.equal(one(7), one(8))
+
+
+def test_gradient_norm_estimate_tracks_positions():
+    """After a step, positions with larger output gradients get larger sampling weights; unseen positions
+    get the mean of the seen ones, and a fresh estimate is uniform."""
+    estimate = reference.GradNormEstimate.empty(torch.device("cpu"))
+    positions = reference.positions_of(40, 10, torch.device("cpu"))
+    norms = (positions == 3).float() * 9 + 1
+    estimate.update(positions, norms)
+    looked_up = estimate.lookup(torch.tensor([3, 4, 11]))
+    torch.testing.assert_close(looked_up, torch.tensor([10.0, 1.0, 1.9]))
+    fresh = reference.GradNormEstimate.empty(torch.device("cpu")).lookup(torch.tensor([0, 5]))
+    torch.testing.assert_close(fresh, torch.ones(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck(dtype):
+    x = torch.randn(3, 20, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(6, 8, dtype=dtype, requires_grad=True)
+    b = torch.randn(6, dtype=dtype, requires_grad=True)
+    # Draws are random, so the checks that compare two runs' values are left out.
+    torch.library.opcheck(
+        OP, (x, [w], [b], [0], 0.5, 0, "opcheck", True), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_kernels_match_reference():
+    triton = pytest.importorskip("triton")
+    del triton
+    from lowerings.wta_crs import kernels
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(37, 21, generator=gen)
+    torch.testing.assert_close(kernels.row_norms(x), reference.row_norms(x))
+    index = torch.randint(0, 37, (11,), generator=gen)
+    weight = torch.rand(11, generator=gen) + 0.5
+    torch.testing.assert_close(kernels.gather_rows(x, index, weight), reference.gather_rows(x, index, weight))
