@@ -193,8 +193,8 @@ def decide(candidate: WtaMatch, config: Config) -> Decision:
     if config.wta_crs_budget is None:
         memory = memory_model(candidate, DEFAULT_BUDGET)
         verdict = shapes.clears(memory.saved, config.min_saved_bytes)
-        would = f"at budget {DEFAULT_BUDGET} it would free {shapes.format_bytes(verdict.saved_hint)}"
-        return Decision(False, f"{HOW_TO_ENABLE} ({would})", memory, verdict)
+        reason = f"{HOW_TO_ENABLE} (saved bytes: what budget {DEFAULT_BUDGET} would free)"
+        return Decision(False, reason, memory, verdict)
     x = tensor_value(candidate.input)
     rows = shapes.numel(x) // x.shape[-1]
     few = shapes.clears(rows, config.wta_crs_min_tokens)

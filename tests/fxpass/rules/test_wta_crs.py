@@ -1,0 +1,216 @@
+"""The WTA-CRS rule: which linears it rewrites (shared samples), which it declines and why, exact forward
+values and input gradients through the compiled graph, no recompiles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from expecttest import TestCase
+
+import fxpass
+from lowerings.wta_crs import reset_estimates
+from tests.helpers import after_code, record_lines, rewritten
+
+D = 16
+ON = {"wta_crs_budget": 0.3, "wta_crs_min_tokens": 8}
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block written out: LayerNorm → q/k/v → attention → o, LayerNorm → MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+        self.fc, self.proj = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D), dim=-1)
+        x = x + self.o(att @ v)
+        return x + self.proj(F.gelu(self.fc(self.ln2(x))))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_estimates():
+    reset_estimates()
+
+
+def _block_inputs():
+    torch.manual_seed(0)
+    return Block(), torch.randn(2, 12, D, requires_grad=True)
+
+
+class TestRewrite(TestCase):
+    def test_block_shares_one_sample_for_qkv(self):
+        block, x = _block_inputs()
+        ex = rewritten(lambda x: block(x).sum(), x, **ON)
+        self.assertExpectedInline(record_lines(ex), """\
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape""")
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_block_modules_ln1_parameters_weight_: "f32[16]cpu", L_block_modules_ln1_parameters_bias_: "f32[16]cpu", L_x_: "f32[2, 12, 16]cpu", L_block_modules_q_parameters_weight_: "f32[16, 16]cpu", L_block_modules_q_parameters_bias_: "f32[16]cpu", L_block_modules_k_parameters_weight_: "f32[16, 16]cpu", L_block_modules_k_parameters_bias_: "f32[16]cpu", L_block_modules_v_parameters_weight_: "f32[16, 16]cpu", L_block_modules_v_parameters_bias_: "f32[16]cpu", L_block_modules_o_parameters_weight_: "f32[16, 16]cpu", L_block_modules_o_parameters_bias_: "f32[16]cpu", L_block_modules_ln2_parameters_weight_: "f32[16]cpu", L_block_modules_ln2_parameters_bias_: "f32[16]cpu", L_block_modules_fc_parameters_weight_: "f32[64, 16]cpu", L_block_modules_fc_parameters_bias_: "f32[64]cpu", L_block_modules_proj_parameters_weight_: "f32[16, 64]cpu", L_block_modules_proj_parameters_bias_: "f32[16]cpu"):
+        l_block_modules_ln1_parameters_weight_ = L_block_modules_ln1_parameters_weight_
+        l_block_modules_ln1_parameters_bias_ = L_block_modules_ln1_parameters_bias_
+        l_x_ = L_x_
+        l_block_modules_q_parameters_weight_ = L_block_modules_q_parameters_weight_
+        l_block_modules_q_parameters_bias_ = L_block_modules_q_parameters_bias_
+        l_block_modules_k_parameters_weight_ = L_block_modules_k_parameters_weight_
+        l_block_modules_k_parameters_bias_ = L_block_modules_k_parameters_bias_
+        l_block_modules_v_parameters_weight_ = L_block_modules_v_parameters_weight_
+        l_block_modules_v_parameters_bias_ = L_block_modules_v_parameters_bias_
+        l_block_modules_o_parameters_weight_ = L_block_modules_o_parameters_weight_
+        l_block_modules_o_parameters_bias_ = L_block_modules_o_parameters_bias_
+        l_block_modules_ln2_parameters_weight_ = L_block_modules_ln2_parameters_weight_
+        l_block_modules_ln2_parameters_bias_ = L_block_modules_ln2_parameters_bias_
+        l_block_modules_fc_parameters_weight_ = L_block_modules_fc_parameters_weight_
+        l_block_modules_fc_parameters_bias_ = L_block_modules_fc_parameters_bias_
+        l_block_modules_proj_parameters_weight_ = L_block_modules_proj_parameters_weight_
+        l_block_modules_proj_parameters_bias_ = L_block_modules_proj_parameters_bias_
+        h: "f32[2, 12, 16]cpu" = torch.nn.functional.layer_norm(l_x_, (16,), l_block_modules_ln1_parameters_weight_, l_block_modules_ln1_parameters_bias_, 1e-05);  l_block_modules_ln1_parameters_weight_ = l_block_modules_ln1_parameters_bias_ = None
+        wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(h, [l_block_modules_q_parameters_weight_, l_block_modules_k_parameters_weight_, l_block_modules_v_parameters_weight_], [l_block_modules_q_parameters_bias_, l_block_modules_k_parameters_bias_, l_block_modules_v_parameters_bias_], [0, 1, 2], 0.3, 0, 'wta_crs:L_block_modules_q_parameters_weight_,L_block_modules_k_parameters_weight_,L_block_modules_v_parameters_weight_', True);  h = l_block_modules_q_parameters_weight_ = l_block_modules_k_parameters_weight_ = l_block_modules_v_parameters_weight_ = l_block_modules_q_parameters_bias_ = l_block_modules_k_parameters_bias_ = l_block_modules_v_parameters_bias_ = None
+        getitem: "f32[2, 12, 16]cpu" = wta_crs_linears_default[0]
+        getitem_1: "f32[2, 12, 16]cpu" = wta_crs_linears_default[1]
+        getitem_2: "f32[2, 12, 16]cpu" = wta_crs_linears_default[2];  wta_crs_linears_default = None
+        transpose: "f32[2, 16, 12]cpu" = getitem_1.transpose(-2, -1);  getitem_1 = None
+        matmul: "f32[2, 12, 12]cpu" = getitem @ transpose;  getitem = transpose = None
+        truediv: "f32[2, 12, 12]cpu" = matmul / 4.0;  matmul = None
+        att: "f32[2, 12, 12]cpu" = torch.softmax(truediv, dim = -1);  truediv = None
+        matmul_1: "f32[2, 12, 16]cpu" = att @ getitem_2;  att = getitem_2 = None
+        wta_crs_linears_default_1 = torch.ops.memopt.wta_crs_linears.default(matmul_1, [l_block_modules_o_parameters_weight_], [l_block_modules_o_parameters_bias_], [0], 0.3, 0, 'wta_crs:L_block_modules_o_parameters_weight_', True);  matmul_1 = l_block_modules_o_parameters_weight_ = l_block_modules_o_parameters_bias_ = None
+        getitem_3: "f32[2, 12, 16]cpu" = wta_crs_linears_default_1[0];  wta_crs_linears_default_1 = None
+        x: "f32[2, 12, 16]cpu" = l_x_ + getitem_3;  l_x_ = getitem_3 = None
+        layer_norm_1: "f32[2, 12, 16]cpu" = torch.nn.functional.layer_norm(x, (16,), l_block_modules_ln2_parameters_weight_, l_block_modules_ln2_parameters_bias_, 1e-05);  l_block_modules_ln2_parameters_weight_ = l_block_modules_ln2_parameters_bias_ = None
+        wta_crs_linears_default_2 = torch.ops.memopt.wta_crs_linears.default(layer_norm_1, [l_block_modules_fc_parameters_weight_], [l_block_modules_fc_parameters_bias_], [0], 0.3, 0, 'wta_crs:L_block_modules_fc_parameters_weight_', True);  layer_norm_1 = l_block_modules_fc_parameters_weight_ = l_block_modules_fc_parameters_bias_ = None
+        getitem_4: "f32[2, 12, 64]cpu" = wta_crs_linears_default_2[0];  wta_crs_linears_default_2 = None
+        gelu: "f32[2, 12, 64]cpu" = torch._C._nn.gelu(getitem_4);  getitem_4 = None
+        wta_crs_linears_default_3 = torch.ops.memopt.wta_crs_linears.default(gelu, [l_block_modules_proj_parameters_weight_], [l_block_modules_proj_parameters_bias_], [0], 0.3, 0, 'wta_crs:L_block_modules_proj_parameters_weight_', True);  gelu = l_block_modules_proj_parameters_weight_ = l_block_modules_proj_parameters_bias_ = None
+        getitem_5: "f32[2, 12, 16]cpu" = wta_crs_linears_default_3[0];  wta_crs_linears_default_3 = None
+        add_1: "f32[2, 12, 16]cpu" = x + getitem_5;  x = getitem_5 = None
+        sum_1: "f32[]cpu" = add_1.sum();  add_1 = None
+        return (sum_1,)""")
+
+    def test_values_and_input_gradients_are_exact(self):
+        """Outputs, the input gradient and every bias gradient equal eager; weight gradients are estimates."""
+        block, x = _block_inputs()
+        expected = block(x).square().sum()
+        names, params = zip(*block.named_parameters(), strict=True)
+        expected_grads = torch.autograd.grad(expected, [x, *params])
+        backend = fxpass.MemoptBackend(options=ON | {"force": True})
+        compiled = torch.compile(lambda x: block(x).square().sum(), backend=backend)
+        actual = compiled(x)
+        actual_grads = torch.autograd.grad(actual, [x, *params])
+        torch.testing.assert_close(actual, expected)
+        torch.testing.assert_close(actual_grads[0], expected_grads[0])
+        for name, got, want in zip(names, actual_grads[1:], expected_grads[1:], strict=True):
+            if name.endswith("bias") or name.startswith("ln"):
+                torch.testing.assert_close(got, want, msg=name)
+            elif name.endswith("weight"):
+                assert got.shape == want.shape and not torch.equal(got, want), name
+
+    def test_gpt2_conv1d_addmm(self):
+        """GPT-2's Conv1D (``addmm(b, x.view(-1, D), W[D_in, D_out])``): rewritten, positions from the 3-D view."""
+        weight = nn.Parameter(torch.randn(D, 3 * D))
+        bias = nn.Parameter(torch.zeros(3 * D))
+        ln = nn.LayerNorm(D)
+
+        def conv1d(x):
+            h = ln(x)
+            return torch.addmm(bias, h.view(-1, h.size(-1)), weight).view(2, 12, 3 * D).sum()
+
+        x = torch.randn(2, 12, D, requires_grad=True)
+        ex = rewritten(conv1d, x, **ON)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_ln_parameters_weight_: "f32[16]cpu", L_ln_parameters_bias_: "f32[16]cpu", L_x_: "f32[2, 12, 16]cpu", L_bias_: "f32[48]cpu", L_weight_: "f32[16, 48]cpu"):
+        l_ln_parameters_weight_ = L_ln_parameters_weight_
+        l_ln_parameters_bias_ = L_ln_parameters_bias_
+        l_x_ = L_x_
+        l_bias_ = L_bias_
+        l_weight_ = L_weight_
+        h: "f32[2, 12, 16]cpu" = torch.nn.functional.layer_norm(l_x_, (16,), l_ln_parameters_weight_, l_ln_parameters_bias_, 1e-05);  l_x_ = l_ln_parameters_weight_ = l_ln_parameters_bias_ = None
+        view: "f32[24, 16]cpu" = h.view(-1, 16);  h = None
+        t: "f32[48, 16]cpu" = l_weight_.t();  l_weight_ = None
+        wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(view, [t], [l_bias_], [0], 0.3, 12, 'wta_crs:L_weight_', True);  view = t = l_bias_ = None
+        getitem: "f32[24, 48]cpu" = wta_crs_linears_default[0];  wta_crs_linears_default = None
+        view_1: "f32[2, 12, 48]cpu" = getitem.view(2, 12, 48);  getitem = None
+        sum_1: "f32[]cpu" = view_1.sum();  view_1 = None
+        return (sum_1,)""")
+        torch.testing.assert_close(ex.result, conv1d(x))
+
+
+class TestDeclines(TestCase):
+    def test_off_by_default_says_how_to_enable(self):
+        block, x = _block_inputs()
+        ex = rewritten(lambda x: block(x).sum(), x, force=False)
+        reasons = {r.reason for r in ex.records if r.rule == "wta_crs"}
+        assert len(reasons) == 1
+        (reason,) = reasons
+        assert reason.startswith("WTA-CRS is off") and "memopt_wta" in reason and "MEMOPT_WTA_CRS_BUDGET" in reason
+        assert not ex.applied
+
+    def test_inputs_that_stay_alive_anyway(self):
+        """A graph input, an input a LayerNorm also reads, and a tanh output are all kept for backward."""
+        lin_a, lin_b, lin_c, ln = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D), nn.LayerNorm(D)
+
+        def fn(x):
+            h = x * 2.0
+            t = torch.tanh(x)
+            return (lin_a(x) + lin_b(h) + ln(h) + lin_c(t)).sum()
+
+        self.assertExpectedInline(self._lines(fn, torch.randn(2, 12, D, requires_grad=True)), """\
+wta_crs applied=False proof=None: the input l_x_ stays alive anyway, held by l_x_ (placeholder L_x_) (a graph input: the caller keeps it): sampling it frees nothing
+wta_crs applied=False proof=None: the input h stays alive anyway, held by layer_norm (call_function layer_norm) (saves it for its backward): sampling it frees nothing
+wta_crs applied=False proof=None: the input t stays alive anyway, held by t (call_function tanh) (saves its output for its backward): sampling it frees nothing""")
+
+    def test_not_a_training_linear(self):
+        """Eval graphs, frozen weights and the LM head (CCE's) are no candidates at all."""
+        frozen, head = nn.Linear(D, D), nn.Linear(D, 40, bias=False)
+        frozen.weight.requires_grad_(False)
+        ln = nn.LayerNorm(D)
+
+        def fn(x, t):
+            h = ln(x)
+            return F.cross_entropy(head(frozen(h)).view(-1, 40), t.view(-1))
+
+        x, t = torch.randn(2, 12, D, requires_grad=True), torch.randint(0, 40, (2, 12))
+        ex = rewritten(fn, x, t, disable="cce", **ON)
+        assert [r.rule for r in ex.records] == []
+        with torch.no_grad():
+            ex = rewritten(lambda x: nn.functional.linear(ln(x), frozen.weight * 1.0).sum(), x, **ON)
+        assert ex.records == []
+
+    def test_few_tokens(self):
+        lin, ln = nn.Linear(D, D), nn.LayerNorm(D)
+        ex = rewritten(lambda x: lin(ln(x)).sum(), torch.randn(1, 4, D, requires_grad=True), wta_crs_budget=0.3)
+        self.assertExpectedInline(record_lines(ex), """wta_crs applied=False proof=None: 4 token rows, fewer than wta_crs_min_tokens=256""")
+
+    def _lines(self, fn, *args):
+        return record_lines(rewritten(fn, *args, **ON))
+
+
+def test_no_recompiles_across_batch_sizes():
+    block = Block()
+    backend = fxpass.MemoptBackend(options=ON | {"force": True, "inner_compiler": "aot_eager"})
+    step = torch.compile(lambda x: block(x).sum(), backend=backend, dynamic=True)
+    for batch, seq in [(2, 12), (3, 20), (5, 9)]:
+        step(torch.randn(batch, seq, D, requires_grad=True)).backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert len({r.graph_id for r in fxpass.reports()[-3:]}) == 1
+    assert all(r.applied for r in fxpass.reports()[-1].records if r.rule == "wta_crs")
+
+
+def test_memopt_wta_backend_by_name():
+    """``backend="memopt_wta"`` (what HF Trainer can name) turns WTA-CRS on at budget 0.3."""
+    block, x = _block_inputs()
+    torch.compile(lambda x: block(x).sum(), backend="memopt_wta", options={"force": True, "wta_crs_min_tokens": 8})(x)
+    applied = [r for r in fxpass.reports()[-1].records if r.rule == "wta_crs" and r.applied]
+    assert len(applied) == 4  # q/k/v (one group), o, fc, proj
