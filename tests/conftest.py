@@ -1,4 +1,5 @@
-"""Shared test setup: a clean Dynamo cache per test, fixed seeds, and rules that raise instead of warning."""
+"""Shared test setup: a clean Dynamo cache and report history per test, fixed seeds, and rules that raise
+instead of warning."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ os.environ.setdefault("MEMOPT_STRICT", "1")
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
+    import fxpass
+
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    fxpass.clear_reports()
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
