@@ -44,6 +44,8 @@ class Config:
         wta_crs_budget: fraction of activation rows WTA-CRS linears keep for the weight gradient (0 < b ≤ 1);
             None leaves it off. It changes weight gradients (unbiased, with variance), so it is opt-in.
         wta_crs_min_tokens: WTA-CRS only rewrites linears over at least this many token rows.
+        wta_crs_winners: keep the deterministic "winner" rows (WTA-CRS); False samples every row (plain
+            column-row sampling), for comparisons.
     """
 
     inner_compiler: str = "inductor"
@@ -54,6 +56,7 @@ class Config:
     force: bool = False
     wta_crs_budget: float | None = None
     wta_crs_min_tokens: int = 256
+    wta_crs_winners: bool = True
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
@@ -61,6 +64,7 @@ class Config:
         _check_type("min_saved_bytes", self.min_saved_bytes, int)
         _check_type("debug_dir", self.debug_dir, (str, type(None)))
         _check_type("wta_crs_min_tokens", self.wta_crs_min_tokens, int)
+        _check_type("wta_crs_winners", self.wta_crs_winners, bool)
         if self.wta_crs_budget is not None:
             _check_type("wta_crs_budget", self.wta_crs_budget, (int, float))
             if isinstance(self.wta_crs_budget, bool) or not 0 < self.wta_crs_budget <= 1:

@@ -249,7 +249,7 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
             float(config.wta_crs_budget),
             period,
             candidate.key,
-            True,
+            config.wta_crs_winners,
         )
         outputs = [add("call_function", operator.getitem, fused, i) for i in range(len(candidate.members))]
     for member, output in zip(candidate.members, outputs, strict=True):

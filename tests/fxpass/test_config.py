@@ -45,7 +45,7 @@ class TestDefaults:
     def test_option_names(self):
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
-            "wta_crs_min_tokens",
+            "wta_crs_min_tokens", "wta_crs_winners",
         }
 
 
