@@ -14,7 +14,7 @@ import enum
 import functools
 import operator
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import networkx as nx
@@ -231,6 +231,16 @@ def insert_node(
             node.meta[key] = meta_from.meta[key]
     propagate_example_value(node, fake_mode)
     return node
+
+
+def cast_to(add: Callable[..., fx.Node], node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """``node`` in ``dtype``, through a ``.to`` node made with ``add`` if it is not already.
+
+    Rewrites call this to reproduce autocast: a matmul that ran under autocast shows operands of one dtype
+    and an output of another, and the replacement op must compute in the output's dtype as autocast did.
+    """
+    value = tensor_value(node)
+    return node if value is None or value.dtype == dtype else add("call_method", "to", node, dtype)
 
 
 def erase_unused(nodes: Iterable[fx.Node]) -> None:

@@ -32,6 +32,7 @@ from fxpass.graph import (
     GraphFacts,
     ViewKind,
     bind_args,
+    cast_to,
     describe_node,
     erase_unused,
     fake_mode_of,
@@ -103,7 +104,7 @@ class CceMatch:
         if self.hidden is not None:
             hidden = tensor_value(self.hidden)
             params["hidden_dim"] = shapes.render(hidden.shape[-1])
-            params["dtype"] = str(hidden.dtype).removeprefix("torch.")
+            params["dtype"] = str(tensor_value(self.classifier).dtype).removeprefix("torch.")
         params.update(
             ignore_index=self.loss.ignore_index,
             reduction=self.loss.reduction,
@@ -366,8 +367,8 @@ def _checked(hidden, weight, transposed: bool, bias, vocab, node: fx.Node):
     rows = w.shape[1] if transposed else w.shape[0]
     if not _same_size(rows, vocab) or not _same_size(h.shape[-1], w.shape[0] if transposed else w.shape[1]):
         return f"the classifier {describe_node(node)} has unexpected shapes"
-    if h.dtype != w.dtype or h.device != w.device:
-        return f"the classifier {describe_node(node)} mixes dtypes or devices ({h.dtype}, {w.dtype})"
+    if h.device != w.device or not (h.is_floating_point() and w.is_floating_point()):
+        return f"the classifier {describe_node(node)} mixes devices or is not floating point"
     if bias is not None:
         b = tensor_value(bias)
         if b is None or b.dim() != 1 or not _same_size(b.shape[0], vocab):
@@ -446,6 +447,7 @@ def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
     hidden = tensor_value(candidate.hidden)
     vocab, dim = ce_input.shape[-1], hidden.shape[-1]
     rows = ce_input.shape[0]
+    dtype = logits.dtype  # the classifier's compute dtype (autocast's, if it was on)
     forward = shapes.nbytes(logits)
     backward = shapes.nbytes(ce_input) + (shapes.nbytes(logits) if logits.dtype != ce_input.dtype else 0)
     for node in candidate.path:
@@ -457,7 +459,7 @@ def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
             forward, backward
         ),
     }
-    return shapes.MemoryModel(before, working_set(rows, vocab, dim, hidden.dtype, hidden.device))
+    return shapes.MemoryModel(before, working_set(rows, vocab, dim, dtype, hidden.device))
 
 
 def _materializes(node: fx.Node) -> bool:
@@ -490,16 +492,20 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             elif kind is ViewKind.RESHAPE:
                 hidden = _replay_reshape(add, node, hidden, dim)
             hidden_at[node] = hidden
-        weight = candidate.weight
+        # Under autocast the classifier ran in its output's dtype: cast the operands as autocast did.
+        dtype = tensor_value(candidate.classifier).dtype
+        hidden = cast_to(add, hidden, dtype)
+        weight = cast_to(add, candidate.weight, dtype)
         if candidate.weight_is_transposed:
             weight = add("call_method", "t", weight)
+        bias = cast_to(add, candidate.bias, dtype) if candidate.bias is not None else None
         loss = candidate.loss
         fused = add(
             "call_function",
             torch.ops.memopt.cce.default,
             hidden,
             weight,
-            candidate.bias,
+            bias,
             loss.targets,
             loss.ignore_index,
             loss.reduction,

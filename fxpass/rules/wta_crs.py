@@ -30,6 +30,7 @@ from fxpass.graph import (
     NLL_LOSS_TARGETS,
     GraphFacts,
     bind_args,
+    cast_to,
     erase_unused,
     fake_mode_of,
     insert_node,
@@ -89,7 +90,7 @@ class WtaMatch:
             "tokens": shapes.render(shapes.numel(x) // x.shape[-1]),
             "in_features": shapes.render(x.shape[-1]),
             "out_features": [shapes.render(_out_features(m)) for m in self.members],
-            "dtype": str(x.dtype).removeprefix("torch."),
+            "dtype": str(_compute_dtype(self.members)).removeprefix("torch."),
         }
 
 
@@ -102,12 +103,12 @@ def _out_features(member: Member):
 
 
 def match(facts: GraphFacts) -> list[WtaMatch]:
-    groups: dict[fx.Node, list[Member]] = {}
+    groups: dict[tuple[fx.Node, torch.dtype], list[Member]] = {}
     for node in facts.gm.graph.nodes:
         member = _linear(node)
         if member is not None and _trains(member) and not _feeds_a_loss(node):
-            groups.setdefault(_input_of(node), []).append(member)
-    return [_candidate(x, tuple(members)) for x, members in groups.items()]
+            groups.setdefault((_input_of(node), tensor_value(node).dtype), []).append(member)
+    return [_candidate(x, tuple(members)) for (x, _), members in groups.items()]
 
 
 def _linear(node: fx.Node) -> Member | None:
@@ -130,7 +131,7 @@ def _linear(node: fx.Node) -> Member | None:
 
 def _member(node: fx.Node, weight, transposed: bool, bias) -> Member | None:
     w, x = tensor_value(weight), tensor_value(_input_of(node))
-    if w is None or x is None or w.dim() != 2 or x.dim() < 2 or x.dtype != w.dtype:
+    if w is None or x is None or w.dim() != 2 or x.dim() < 2 or not (x.is_floating_point() and w.is_floating_point()):
         return None
     if bias is not None and (tensor_value(bias) is None or tensor_value(bias).dim() != 1):
         return None
@@ -165,12 +166,19 @@ def _feeds_a_loss(node: fx.Node) -> bool:
 
 def _candidate(x: fx.Node, members: tuple[Member, ...]) -> WtaMatch:
     period_source = _sequence_source(x)
+    if tensor_value(x).dtype != _compute_dtype(members):
+        return WtaMatch(x, members, period_source)  # autocast: the linears saved their own cast copy of x
     holders = liveness.holders(x, excluding=[m.node for m in members])
     if holders:
         names = "; ".join(h.describe() for h in holders[:3])
         blocker = f"the input {x.name} stays alive anyway, held by {names}: sampling it frees nothing"
         return WtaMatch(x, members, period_source, blocker)
     return WtaMatch(x, members, period_source)
+
+
+def _compute_dtype(members: tuple[Member, ...]) -> torch.dtype:
+    """The dtype the linears computed in: their output's (autocast's dtype when it was on)."""
+    return tensor_value(members[0].node).dtype
 
 
 def _sequence_source(x: fx.Node) -> fx.Node:
@@ -209,12 +217,13 @@ def memory_model(candidate: WtaMatch, budget: float) -> shapes.MemoryModel:
     from lowerings.wta_crs.reference import sample_size
 
     x = tensor_value(candidate.input)
+    dtype = _compute_dtype(candidate.members)
     rows = shapes.numel(x) // x.shape[-1]
     k = sample_size(rows, budget)
     return shapes.MemoryModel(
-        before={"saved: input activations [N, D_in]": shapes.nbytes(x)},
+        before={"saved: input activations [N, D_in]": shapes.nbytes(x, dtype)},
         after={
-            "saved: sampled rows [k, D_in]": k * x.shape[-1] * x.dtype.itemsize,
+            "saved: sampled rows [k, D_in]": k * x.shape[-1] * dtype.itemsize,
             "saved: their indices [k]": k * 8,
         },
     )
@@ -231,18 +240,20 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
     def add(op: str, target: Any, *args: Any) -> fx.Node:
         return insert_node(graph, op, target, args, meta_from=first, fake_mode=fake_mode)
 
+    dtype = _compute_dtype(candidate.members)
     with graph.inserting_before(first):
         weights, biases, bias_of = [], [], []
         for member in candidate.members:
-            weights.append(add("call_method", "t", member.weight) if member.weight_is_transposed else member.weight)
+            weight = cast_to(add, member.weight, dtype)
+            weights.append(add("call_method", "t", weight) if member.weight_is_transposed else weight)
             bias_of.append(len(biases) if member.bias is not None else -1)
             if member.bias is not None:
-                biases.append(member.bias)
+                biases.append(cast_to(add, member.bias, dtype))
         period = _period_arg(add, candidate)
         fused = add(
             "call_function",
             torch.ops.memopt.wta_crs_linears.default,
-            candidate.input,
+            cast_to(add, candidate.input, dtype),
             weights,
             biases,
             bias_of,

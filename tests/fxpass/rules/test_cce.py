@@ -276,6 +276,38 @@ class GraphModule(torch.nn.Module):
         return (to,)""")
 
 
+    def test_autocast_casts_operands_like_autocast(self):
+        """Under autocast the classifier ran in bf16 from fp32 operands: the op gets them cast the same way."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 5, D, requires_grad=True)
+        targets = torch.randint(0, V, (2, 5))
+
+        def loss(h, t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = F.linear(h, weight)
+            return F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+
+        expected = loss(hidden, targets)
+        ex = rewritten(loss, hidden, targets)
+        torch.testing.assert_close(ex.result, expected, rtol=2e-2, atol=2e-2)
+        self.assertEqual(ex.applied[0].params["dtype"], "bfloat16")
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 5, 8]cpu", L_weight_: "f32[40, 8]cpu", L_t_: "i64[2, 5]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_t_ = L_t_
+        _enter_autocast = torch.amp.autocast_mode._enter_autocast('cpu', torch.bfloat16, True, None)
+        _exit_autocast = torch.amp.autocast_mode._exit_autocast(_enter_autocast);  _enter_autocast = _exit_autocast = None
+        view_1: "i64[10]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[10, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        to: "bf16[10, 8]cpu" = reshape.to(torch.bfloat16);  reshape = None
+        to_1: "bf16[40, 8]cpu" = l_weight_.to(torch.bfloat16);  l_weight_ = None
+        cce_default = torch.ops.memopt.cce.default(to, to_1, None, view_1, -100, 'mean', 0.0, None);  to = to_1 = view_1 = None
+        getitem: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem,)""")
+
+
 class TestDeclines(TestCase):
     def _decisions(self, fn, *args, **options):
         return record_lines(rewritten(fn, *args, **options))

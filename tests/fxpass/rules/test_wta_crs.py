@@ -147,6 +147,20 @@ class GraphModule(torch.nn.Module):
         torch.testing.assert_close(ex.result, conv1d(x))
 
 
+    def test_autocast(self):
+        """Under autocast the linears saved autocast's bf16 copy of their input: rewritten, computing in bf16."""
+        block, x = _block_inputs()
+
+        def step(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return block(x).float().sum()
+
+        ex = rewritten(step, x, **ON)
+        applied = [r for r in ex.applied if r.rule == "wta_crs"]
+        assert len(applied) == 4 and {r.params["dtype"] for r in applied} == {"bfloat16"}
+        torch.testing.assert_close(ex.result, step(x), rtol=2e-2, atol=2e-1)
+
+
 class TestDeclines(TestCase):
     def test_off_by_default_says_how_to_enable(self):
         block, x = _block_inputs()
