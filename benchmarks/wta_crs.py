@@ -1,0 +1,207 @@
+"""WTA-CRS fine-tuning steps: peak memory, step time and the largest batch that fits, per backend.
+
+    python benchmarks/wta_crs.py                                    # GPT-2-medium and BERT-base shapes, seq 512
+    python benchmarks/wta_crs.py --models gpt2-medium --seq 1024
+    python benchmarks/wta_crs.py --tiny --device cpu                # a smoke run of the script itself
+
+Models are built from configs (random init, no downloads) and trained with AdamW under bf16 autocast. Each
+variant compiles the same loss-only step: plain ``torch.compile`` (Inductor), memopt with WTA-CRS off, and
+memopt with WTA-CRS at each budget. Peak = ``max_memory_allocated`` over a step (weights and optimizer state
+included); "activations" = that peak minus what was allocated before the step. The largest batch is
+extrapolated from the peaks at two batch sizes (memory is linear in the batch), not searched for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fxpass
+from lowerings.wta_crs import reset_estimates
+
+log = logging.getLogger("benchmarks.wta_crs")
+GiB = 1 << 30
+
+
+def build(name: str, tiny: bool):
+    """(model, masked_lm) for a named configuration, random init."""
+    import transformers
+
+    if name == "gpt2-medium":
+        sizes = dict(n_layer=2, n_embd=64, n_head=2) if tiny else dict(n_layer=24, n_embd=1024, n_head=16)
+        config = transformers.GPT2Config(
+            vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **sizes
+        )
+        model = transformers.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"
+        return model, False
+    if name == "bert-base":
+        sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128)
+        config = transformers.BertConfig(
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **(sizes if tiny else {})
+        )
+        return transformers.BertForMaskedLM(config), True
+    raise SystemExit(f"unknown model {name!r}")
+
+
+def batch(vocab: int, size: int, seq: int, masked_lm: bool, device, generator):
+    ids = torch.randint(0, vocab, (size, seq), generator=generator).to(device)
+    labels = ids.clone()
+    if masked_lm:
+        labels[torch.rand(size, seq, generator=generator).to(device) > 0.15] = -100
+    return ids, labels
+
+
+def backends(budgets: list[float]) -> dict[str, object]:
+    found: dict[str, object] = {"torch.compile": "inductor", "memopt": fxpass.MemoptBackend()}
+    for budget in budgets:
+        found[f"memopt + WTA-CRS {budget}"] = fxpass.MemoptBackend(options={"wta_crs_budget": budget})
+    return found
+
+
+@dataclasses.dataclass
+class Result:
+    model: str
+    variant: str
+    batch: int
+    seq: int
+    step_ms: float | None = None
+    peak_gib: float | None = None
+    activations_gib: float | None = None
+    max_batch: int | None = None
+    wta_groups: int = 0
+    note: str = ""
+
+
+def measure(name: str, variant: str, backend, args, device) -> Result:
+    result = Result(name, variant, args.batch, args.seq)
+    torch.manual_seed(0)
+    reset_estimates()
+    model, masked_lm = build(name, args.tiny)
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vocab = model.config.vocab_size
+    step = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend=backend)
+    generator = torch.Generator().manual_seed(0)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def train_step(size: int) -> None:
+        ids, labels = batch(vocab, size, args.seq, masked_lm, device, generator)
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(labels, 0)
+        with autocast:
+            loss = step(ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def peak_of(size: int) -> tuple[int, int]:
+        if device.type != "cuda":
+            return 0, 0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        train_step(size)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        return peak, peak - before
+
+    try:
+        for _ in range(2):  # compile, then let the optimizer state appear
+            train_step(args.batch)
+        small_peak, _ = peak_of(max(1, args.batch // 2))
+        peak, activations = peak_of(args.batch)
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            train_step(args.batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(1000 * (time.perf_counter() - start))
+        result.step_ms = statistics.median(times)
+        result.peak_gib, result.activations_gib = peak / GiB, activations / GiB
+        if device.type == "cuda" and peak > small_peak:
+            per_sample = (peak - small_peak) / (args.batch - max(1, args.batch // 2))
+            capacity = 0.95 * torch.cuda.get_device_properties(device).total_memory
+            result.max_batch = int(args.batch + (capacity - peak) / per_sample)
+        result.wta_groups = sum(
+            r.rule == "wta_crs" and r.applied for report in fxpass.reports()[-4:] for r in report.records
+        )
+    except torch.OutOfMemoryError:
+        result.note = "out of memory"
+    except Exception as error:
+        result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        log.exception("%s / %s failed", name, variant)
+    finally:
+        optimizer.state.clear()
+        gc.collect()
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    log.info("%s", result)
+    return result
+
+
+def table(results: list[Result]) -> str:
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
+    lines = [
+        "| model | variant | batch × seq | step (ms) | peak (GiB) | activations (GiB) | largest batch (extrapolated) "
+        "| WTA-CRS groups | note |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.model} | {r.variant} | {r.batch} × {r.seq} | {fmt(r.step_ms, '.1f')} | {fmt(r.peak_gib, '.2f')} "
+            f"| {fmt(r.activations_gib, '.2f')} | {fmt(r.max_batch, 'd')} | {r.wta_groups} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Result]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2-medium,bert-base")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--budgets", default="0.3,0.1")
+    parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true", help="two-layer models: check the script, not the numbers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    chosen = backends([float(b) for b in args.budgets.split(",") if b])
+    if args.variants:
+        chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
+    results = [
+        measure(name, variant, backend, args, device)
+        for name in args.models.split(",")
+        for variant, backend in chosen.items()
+    ]
+    header = (
+        f"WTA-CRS fine-tuning step, {time.strftime('%Y-%m-%d')}, "
+        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"bf16 autocast, AdamW{' (tiny models)' if args.tiny else ''}"
+    )
+    text = header + "\n\n" + table(results)
+    (args.out / "wta_crs.md").write_text(text + "\n")
+    (args.out / "wta_crs.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
+    print(text)
+    return results
+
+
+if __name__ == "__main__":
+    main()
