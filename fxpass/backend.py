@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpass.cache import SOURCE_KEYED_PASS
 from fxpass.config import Config, ConfigError
 from fxpass.report import GraphReport, publish, tracing_enabled
 from fxpass.rewrite import rewrite_graph
@@ -91,8 +92,17 @@ class MemoptBackend:
             return lookup_backend("aot_eager")(gm, example_inputs)
         if self._inductor is None:
             # Inductor's own wrapper applies ``mode`` and validates config keys exactly as torch.compile does.
-            self._inductor = torch._TorchCompileInductorWrapper(self.mode, self.inductor_options, dynamic=None)
+            self._inductor = torch._TorchCompileInductorWrapper(self.mode, self._inductor_patches(), dynamic=None)
         return self._inductor(gm, example_inputs)
+
+    def _inductor_patches(self) -> dict[str, Any]:
+        """The user's Inductor options, plus a cache key on memopt's sources unless that slot is taken."""
+        from torch._inductor import config as inductor_config
+
+        patches = dict(self.inductor_options)
+        if "post_grad_custom_pre_pass" not in patches and inductor_config.post_grad_custom_pre_pass is None:
+            patches["post_grad_custom_pre_pass"] = SOURCE_KEYED_PASS
+        return patches
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: drop CUDA-graph trees recorded under reduce-overhead."""

@@ -106,10 +106,11 @@ if HAS_TRITON:
 
 
 def _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
+    """Contiguous gradients whatever the inputs' layouts, as both implementations return them."""
     return (
-        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-        torch.empty_like(weight) if need_weight else weight.new_empty(0),
-        torch.empty_like(bias) if need_bias and bias is not None else weight.new_empty(0),
+        hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if need_weight else weight.new_empty(0),
+        bias.new_empty(bias.shape) if need_bias and bias is not None else weight.new_empty(0),
     )
 
 

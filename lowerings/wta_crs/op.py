@@ -102,7 +102,7 @@ def wta_crs_linears_backward(
     """
     grad_x = sum(g @ w for g, w in zip(grads, weights, strict=True)) if need_input else rows.new_empty(0)
     grad_weights = [
-        (g[index].t() @ rows).to(w.dtype) if need else w.new_empty(0)
+        (g[index].t() @ rows).to(w.dtype).contiguous() if need else w.new_empty(0)
         for g, w, need in zip(grads, weights, need_weights, strict=True)
     ]
     grad_biases = [
@@ -121,8 +121,9 @@ def _bias_grad(grads: list[torch.Tensor], bias_of: list[int], slot: int) -> torc
 @wta_crs_linears_backward.register_fake
 def _(grads, weights, index, rows, period, key, need_input, need_weights, bias_of, need_biases):
     grad_x = grads[0].new_empty((grads[0].shape[0], weights[0].shape[1])) if need_input else rows.new_empty(0)
+    # Contiguous whatever the weight's layout (a transposed Conv1D weight arrives as a view).
     grad_weights = [
-        torch.empty_like(w) if need else w.new_empty(0) for w, need in zip(weights, need_weights, strict=True)
+        w.new_empty(w.shape) if need else w.new_empty(0) for w, need in zip(weights, need_weights, strict=True)
     ]
     grad_biases = [
         grads[bias_of.index(slot)].new_empty(grads[bias_of.index(slot)].shape[-1]) if need else rows.new_empty(0)

@@ -403,3 +403,26 @@ class TestDynamicShapes:
         assert report.applied
         assert before == after
         assert with_memopt == plain
+
+
+def test_inductor_caches_are_keyed_on_memopt_sources(monkeypatch):
+    """The no-op post-grad pass memopt installs carries a hash of its sources into Inductor's cache key."""
+    from pathlib import Path
+
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    from fxpass.cache import SOURCE_KEYED_PASS
+
+    root = Path(fxpass.__file__).resolve().parents[1]
+    files = sorted(str(p) for package in ("fxpass", "lowerings") for p in (root / package).rglob("*.py"))
+    assert SOURCE_KEYED_PASS.uuid() == get_hash_for_files(tuple(files))
+    seen = {}
+    real = torch._inductor.compile_fx.compile_fx
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.update(kwargs.get("config_patches") or {})
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", spy)
+    torch.compile(lambda x: x.sin(), backend="memopt")(torch.randn(3))
+    assert seen.get("post_grad_custom_pre_pass") is SOURCE_KEYED_PASS

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
 
+import fxpass
 from tests.helpers import after_code, assert_close_all, grads, record_lines, rewritten
 
 V, D = 40, 8
@@ -156,6 +157,21 @@ class GraphModule(torch.nn.Module):
         cce_default = torch.ops.memopt.cce.default(reshape, t, None, view_1, -1, 'mean', 0.1, None);  reshape = t = view_1 = None
         getitem: "f32[]cpu" = cce_default[0];  cce_default = None
         return (getitem,)""")
+
+    def test_untransposed_weight_through_inductor(self):
+        """A [D, V] weight reaches the op as a transposed view; the gradients match what Inductor compiled for."""
+        weight_dv = nn.Parameter(torch.randn(D, V) / D**0.5)
+        hidden = torch.randn(2, 5, D, requires_grad=True)
+        targets = torch.randint(0, V, (2, 5))
+
+        def loss(h, t):
+            return F.cross_entropy(torch.matmul(h, weight_dv).view(-1, V), t.view(-1))
+
+        compiled = torch.compile(loss, backend=fxpass.MemoptBackend(options={"force": True, "strict": True}))
+        actual = compiled(hidden, targets)
+        expected = loss(hidden, targets)
+        torch.testing.assert_close(actual, expected)
+        assert_close_all(grads(actual, [hidden, weight_dv]), grads(expected, [hidden, weight_dv]))
 
     def test_gpt2_conv1d_addmm(self):
         """GPT-2's Conv1D head: ``addmm(bias, h.view(-1, D), W[D, V])``."""

@@ -211,6 +211,24 @@ wta_crs applied=False proof=None: the input t stays alive anyway, held by t (cal
         return record_lines(rewritten(fn, *args, **ON))
 
 
+def test_transposed_weight_through_inductor():
+    """Conv1D's weight arrives as a transposed view: the op's gradients keep the layout Inductor compiled for."""
+    weight, bias, ln = nn.Parameter(torch.randn(D, 3 * D)), nn.Parameter(torch.zeros(3 * D)), nn.LayerNorm(D)
+
+    def conv1d(x):
+        h = ln(x)
+        return torch.addmm(bias, h.view(-1, D), weight).square().sum()
+
+    x = torch.randn(2, 12, D, requires_grad=True)
+    compiled = torch.compile(conv1d, backend=fxpass.MemoptBackend(options=ON | {"force": True}))
+    loss = compiled(x)
+    grad_x, grad_w = torch.autograd.grad(loss, [x, weight])
+    expected = conv1d(x)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_x, torch.autograd.grad(expected, x)[0], rtol=1e-4, atol=1e-4)  # Inductor fuses
+    assert grad_w.shape == weight.shape
+
+
 def test_no_recompiles_across_batch_sizes():
     block = Block()
     backend = fxpass.MemoptBackend(options=ON | {"force": True, "inner_compiler": "aot_eager"})

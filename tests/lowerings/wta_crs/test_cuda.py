@@ -41,14 +41,22 @@ def _weight_grads_over_steps(mode: str | None, seed: int, steps: int = 3) -> lis
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_fresh_and_reproducible_draws(mode):
-    """Each step draws a new sample (also when CUDA graphs replay the step); the same seed, the same draws."""
+    """Each step draws a new sample (also when CUDA graphs replay the step); the same seed, the same draws.
+
+    Same draws give the same gradients up to the GPU's non-deterministic reductions (~1e-6); different draws
+    differ by the estimator's own variance (order 1).
+    """
     first = _weight_grads_over_steps(mode, seed=1)
     again = _weight_grads_over_steps(mode, seed=1)
     other = _weight_grads_over_steps(mode, seed=2)
-    assert not torch.equal(first[1], first[2])
+
+    def distance(a, b):
+        return ((a - b).norm() / a.norm()).item()
+
+    assert distance(first[1], first[2]) > 1e-2
     for a, b in zip(first, again, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert not torch.equal(first[2], other[2])
+        assert distance(a, b) < 1e-4
+    assert distance(first[2], other[2]) > 1e-2
 
 
 def test_peak_memory_drops():
