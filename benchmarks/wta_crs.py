@@ -88,6 +88,7 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
     result = Result(name, variant, args.batch, args.seq)
     torch.manual_seed(0)
     reset_estimates()
+    fxpass.clear_reports()
     model, masked_lm = build(name, args.tiny)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -135,9 +136,8 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
             per_sample = (peak - small_peak) / (args.batch - max(1, args.batch // 2))
             capacity = 0.95 * torch.cuda.get_device_properties(device).total_memory
             result.max_batch = int(args.batch + (capacity - peak) / per_sample)
-        result.wta_groups = sum(
-            r.rule == "wta_crs" and r.applied for report in fxpass.reports()[-4:] for r in report.records
-        )
+        latest = {report.graph_id: report for report in fxpass.reports()}.values()
+        result.wta_groups = sum(r.rule == "wta_crs" and r.applied for report in latest for r in report.records)
     except torch.OutOfMemoryError:
         result.note = "out of memory"
     except Exception as error:

@@ -43,6 +43,7 @@ def train(variant: str, seed: int, data, args, device: torch.device) -> dict:
     """One run: per-step training loss, validation loss at the end, seconds."""
     torch.manual_seed(seed)
     reset_estimates()
+    fxpass.clear_reports()
     config = GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd)
     model = GPT(config).to(device)
@@ -62,7 +63,8 @@ def train(variant: str, seed: int, data, args, device: torch.device) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     seconds = time.perf_counter() - start
-    applied = sum(r.rule == "wta_crs" and r.applied for report in fxpass.reports()[-2:] for r in report.records)
+    latest = {report.graph_id: report for report in fxpass.reports()}.values()  # a graph may compile twice
+    applied = sum(r.rule == "wta_crs" and r.applied for report in latest for r in report.records)
     val = evaluate(model, eval_batches(data.val, args.eval_batches, args.batch_size, args.seq_len, device))
     log.info("%s seed %d: final train %.4f, val %.4f, %d WTA-CRS groups, %.0f s", variant, seed,
              statistics.fmean(losses[-20:]), val, applied, seconds)
