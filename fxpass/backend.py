@@ -75,7 +75,7 @@ class MemoptBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         keep_code = self.keep_code or bool(self.config.debug_dir) or tracing_enabled()
-        report = rewrite_graph(gm, self.config, keep_code=keep_code)
+        report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
         if self.sink is not None:
             report.graph_module = gm
             self.sink(report)

@@ -132,9 +132,23 @@ def is_param_transpose(node: fx.Node) -> bool:
 
 @dataclasses.dataclass
 class GraphFacts:
-    """Use-def facts about one graph, computed once per rule pass."""
+    """Use-def facts about one graph, computed once per rule pass.
+
+    ``example_inputs`` are the real tensors the backend was called with, one per placeholder: constant buffers
+    (a registered ``tril`` mask) can be read from them, since Dynamo's example values are fake.
+    """
 
     gm: fx.GraphModule
+    example_inputs: Sequence[Any] = ()
+
+    def real_value(self, node: fx.Node) -> Any:
+        """The real tensor behind a placeholder, if the backend was given one, else None."""
+        if node.op != "placeholder" or not self.example_inputs:
+            return None
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(self.example_inputs):
+            return None
+        return self.example_inputs[placeholders.index(node)]
 
     @functools.cached_property
     def dataflow(self) -> nx.DiGraph:

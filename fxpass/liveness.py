@@ -122,8 +122,21 @@ def keeps_operand(user: fx.Node, operand: fx.Node) -> bool:
     return True
 
 
-def saves_own_output(node: fx.Node) -> bool:
-    return is_call(node, *_SAVE_OUTPUT_FUNCTIONS) or is_method(node, *_SAVE_OUTPUT_METHODS)
+def saver_of_output(node: fx.Node) -> fx.Node | None:
+    """The op that keeps ``node`` (its output) for its own backward, if any: ``node`` itself, or the
+    multi-output op that ``node`` is an output of."""
+    if is_call(node, operator.getitem) and isinstance(node.args[0], fx.Node) and tensor_value(node.args[0]) is None:
+        node = node.args[0]
+    if node.op == "call_function" and node.target in _memopt_ops_saving_output():
+        return node
+    return node if is_call(node, *_SAVE_OUTPUT_FUNCTIONS) or is_method(node, *_SAVE_OUTPUT_METHODS) else None
+
+
+def _memopt_ops_saving_output() -> tuple:
+    """memopt's own ops whose backward reads their output (flash attention keeps O for dS)."""
+    import lowerings  # noqa: F401  (registers torch.ops.memopt.*)
+
+    return (torch.ops.memopt.flash_attention.default,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +156,11 @@ def holders(tensor: fx.Node, excluding: Iterable[fx.Node] = ()) -> list[Holder]:
     family = alias_family(tensor)
     root = family[0]
     found: list[Holder] = []
+    saver = saver_of_output(root)
     if root.op == "placeholder":
         found.append(Holder(root, "a graph input: the caller keeps it"))
-    elif saves_own_output(root):
-        found.append(Holder(root, "saves its output for its backward"))
+    elif saver is not None:
+        found.append(Holder(saver, "saves its output for its backward"))
     for member in family:
         for user in member.users:
             if user in excluded or user in family:

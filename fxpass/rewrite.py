@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -27,23 +29,28 @@ class RewriteFailedWarning(UserWarning):
     """A rule raised; memopt left the graph as it was for that rule."""
 
 
-def rewrite_graph(gm: fx.GraphModule, config: Config, keep_code: bool = False) -> GraphReport:
-    """Rewrite ``gm`` in place with every enabled rule; return what was decided."""
+def rewrite_graph(
+    gm: fx.GraphModule, config: Config, keep_code: bool = False, example_inputs: Sequence[Any] = ()
+) -> GraphReport:
+    """Rewrite ``gm`` in place with every enabled rule; return what was decided.
+
+    ``example_inputs`` (the backend's real inputs) let rules read constant buffers such as a causal mask.
+    """
     report = GraphReport(current_graph_id(), [], before=graph_code(gm) if keep_code else None)
     for rule in RULES:
         if config.rule_enabled(rule.name):
-            report.records.extend(_run_rule(rule, gm, config))
+            report.records.extend(_run_rule(rule, gm, config, example_inputs))
     gm.recompile()
     if keep_code:
         report.after = graph_code(gm)
     return report
 
 
-def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config) -> list[RewriteRecord]:
+def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config, example_inputs: Sequence[Any]) -> list[RewriteRecord]:
     saved_graph = _copy_graph(gm.graph)
     records: list[RewriteRecord] = []
     try:
-        for candidate in rule.match(GraphFacts(gm)):
+        for candidate in rule.match(GraphFacts(gm, example_inputs)):
             decision = rule.decide(candidate, config)
             records.append(_record(rule.name, candidate, decision))
             if decision.apply:

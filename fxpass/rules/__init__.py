@@ -1,8 +1,9 @@
-"""The rules memopt runs, in order. CCE first: it claims the classifier linear, which WTA-CRS must not take."""
+"""The rules memopt runs, in order. CCE first: it claims the classifier linear, which WTA-CRS must not take;
+attention before WTA-CRS, whose liveness analysis must see what the attention op saves."""
 
-from fxpass.rules import cce, wta_crs
+from fxpass.rules import attention, cce, wta_crs
 from fxpass.rules.base import Decision, Rule
 
-RULES: tuple[Rule, ...] = (cce.RULE, wta_crs.RULE)
+RULES: tuple[Rule, ...] = (cce.RULE, attention.RULE, wta_crs.RULE)
 
 __all__ = ["RULES", "Decision", "Rule"]

@@ -372,10 +372,10 @@ class TestDynamicShapes:
         seen = []
         real_rewrite = fxpass.backend.rewrite_graph
 
-        def counting_rewrite(gm, config, keep_code=False):
+        def counting_rewrite(gm, config, keep_code=False, example_inputs=()):
             env = fake_mode_of(gm.graph.nodes).shape_env
             before = [str(g.expr) for g in env.guards]
-            report = real_rewrite(gm, config, keep_code)
+            report = real_rewrite(gm, config, keep_code, example_inputs)
             seen.append((before, [str(g.expr) for g in env.guards], report))
             return report
 

@@ -16,7 +16,8 @@ from lowerings.wta_crs import reset_estimates
 from tests.helpers import after_code, record_lines, rewritten
 
 D = 16
-ON = {"wta_crs_budget": 0.3, "wta_crs_min_tokens": 8}
+# The attention rule is off here so that the block's o-projection stays a candidate (see the interplay test).
+ON = {"wta_crs_budget": 0.3, "wta_crs_min_tokens": 8, "disable": "attention"}
 
 
 class Block(nn.Module):
@@ -196,7 +197,7 @@ wta_crs applied=False proof=None: the input t stays alive anyway, held by t (cal
             return F.cross_entropy(head(frozen(h)).view(-1, 40), t.view(-1))
 
         x, t = torch.randn(2, 12, D, requires_grad=True), torch.randint(0, 40, (2, 12))
-        ex = rewritten(fn, x, t, disable="cce", **ON)
+        ex = rewritten(fn, x, t, **(ON | {"disable": "cce,attention"}))
         assert [r.rule for r in ex.records] == []
         with torch.no_grad():
             ex = rewritten(lambda x: nn.functional.linear(ln(x), frozen.weight * 1.0).sum(), x, **ON)
@@ -229,6 +230,15 @@ def test_transposed_weight_through_inductor():
     assert grad_w.shape == weight.shape
 
 
+def test_attention_output_is_kept_by_flash_attention():
+    """With attention rewritten, the o-projection reads the flash op's output, which it saves: declined."""
+    block, x = _block_inputs()
+    ex = rewritten(lambda x: block(x).sum(), x, **(ON | {"disable": ()}))
+    declined = [r for r in ex.records if r.rule == "wta_crs" and not r.applied]
+    assert len(declined) == 1 and "flash_attention" in declined[0].reason, [r.reason for r in declined]
+    assert any(r.rule == "attention" and r.applied for r in ex.records)
+
+
 def test_no_recompiles_across_batch_sizes():
     block = Block()
     backend = fxpass.MemoptBackend(options=ON | {"force": True, "inner_compiler": "aot_eager"})
@@ -244,5 +254,5 @@ def test_memopt_wta_backend_by_name():
     """``backend="memopt_wta"`` (what HF Trainer can name) turns WTA-CRS on at budget 0.3."""
     block, x = _block_inputs()
     torch.compile(lambda x: block(x).sum(), backend="memopt_wta", options={"force": True, "wta_crs_min_tokens": 8})(x)
-    applied = [r for r in fxpass.reports()[-1].records if r.rule == "wta_crs" and r.applied]
-    assert len(applied) == 4  # q/k/v (one group), o, fc, proj
+    records = [r for r in fxpass.reports()[-1].records if r.rule == "wta_crs"]
+    assert sum(r.applied for r in records) == 3  # q/k/v (one group), fc, proj; o reads the flash op's saved output

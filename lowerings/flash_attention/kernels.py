@@ -1,0 +1,574 @@
+"""Triton kernels of memopt's flash attention (CUDA): softmax(q kᵀ·scale + bias) v without the Tq×Tk matrix.
+
+The algorithm is FlashAttention-2 (Dao 2023, arXiv:2307.08691). The forward keeps one block of queries on chip and
+streams the key/value blocks through it with an online softmax: a running row max and sum in fp32, one rescale
+of the fp32 accumulator per key block, and the division by the sum only at the end. It saves the per-row
+log-sum-exp. The backward recomputes each tile's probabilities from that log-sum-exp. A preprocess kernel computes
+delta = rowsum(out ∘ grad_out). One kernel pins a block of keys/values and sweeps the query blocks of every query
+head that reads it (GQA) to accumulate dK and dV; another pins a block of queries and sweeps the keys for dQ. Every
+gradient tile has a single owner, so no atomics are needed.
+
+Scores are kept in base 2 (log2 e folded into the scale, exp2 everywhere); the returned lse is in natural log.
+Causal masking is top-left aligned: query i sees keys j ≤ i. Blocks wholly above the diagonal are never visited,
+and only the blocks that straddle it (or the ragged end of the keys) pay for a mask. A row whose keys are all
+masked (a -inf bias) gets output 0 and lse -inf. Dropout keeps element (b, h, i, j) iff
+tl.rand(seed, ((b·Hq + h)·Tq + i)·Tk + j) ≥ p, so the backward redraws the forward's mask instead of storing it.
+
+With ``TRITON_INTERPRET=1`` (CPU tests) the kernels run in Triton's interpreter, with tiny tiles and fp32 dots.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launchable(kernel):
+    if _interpreting():
+        return kernel
+    return torch.library.wrap_triton(kernel)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Building blocks
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in fp32. IEEE: exact fp32 products (fp32 at "highest" precision, and the CPU interpreter, whose 16-bit
+    dot is wrong); otherwise ``a`` is rounded to ``b``'s dtype for the tensor cores, as FA2 rounds P before P·V."""
+    if IEEE:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a.to(b.dtype), b)
+    return c
+
+
+@triton.jit
+def _load_rows(base, rows, n_rows, stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[len(rows), BLOCK_D] tile of a [n_rows, HEAD_DIM] matrix (unit stride along D), zeros outside it.
+
+    HEAD_DIM is a constexpr, so the padding mask is constant over aligned runs of D and loads stay vectorized."""
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (dims < HEAD_DIM)[None, :]
+    return tl.load(base + rows.to(tl.int64)[:, None] * stride + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(base, rows, n_rows, stride, value, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (dims < HEAD_DIM)[None, :]
+    tl.store(base + rows.to(tl.int64)[:, None] * stride + dims[None, :], value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kept(seed, offsets, dropout_p):
+    """Dropout draw for int64 ``offsets`` into the [B, Hq, Tq, Tk] grid; the same bits in forward and backward."""
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit
+def _base2_scores(
+    a, b, bias, q_idx, k_idx, len_q, len_k, stride_bm, stride_bn, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+):
+    """(a bᵀ·scale + bias)·log2 e for one tile, -inf where masked.
+
+    q_idx and k_idx broadcast to the tile: [M, 1] and [1, N] for a queries × keys tile, the other way round
+    for the keys × queries tile of the dK/dV kernel. Unmasked tiles lie wholly inside the keys and the causal band.
+    """
+    s = _dot(a, tl.trans(b), IEEE) * qk_scale
+    if HAS_BIAS:
+        inside = (q_idx < len_q) & (k_idx < len_k)
+        offsets = q_idx.to(tl.int64) * stride_bm + k_idx.to(tl.int64) * stride_bn
+        s += tl.load(bias + offsets, mask=inside, other=0.0).to(tl.float32) * _LOG2E
+    if MASKED:
+        allowed = k_idx < len_k
+        if CAUSAL:
+            allowed = allowed & (k_idx <= q_idx)
+        s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _key_range(start_m, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks seen by query rows [start_m, start_m + BLOCK_M): [0, free) need no mask, [free, end) need one."""
+    if CAUSAL:
+        end = tl.minimum(len_k, start_m + BLOCK_M)
+        free = tl.minimum(start_m + 1, len_k) // BLOCK_N * BLOCK_N
+    else:
+        end = len_k
+        free = len_k // BLOCK_N * BLOCK_N
+    return free, end
+
+
+@triton.jit
+def _query_range(start_n, len_q, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query blocks that see keys [start_n, start_n + BLOCK_N): [lo, mid) need a mask, [mid, len_q) need none.
+
+    Causal rows before ``lo`` see none of these keys. A ragged last key block is masked everywhere: its padding
+    keys only feed dK/dV rows that are never stored, but the mask keeps their arithmetic finite."""
+    if CAUSAL:
+        lo = start_n // BLOCK_M * BLOCK_M
+        mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    mid = tl.where(start_n + BLOCK_N > len_k, len_q, tl.minimum(mid, len_q))
+    return lo, mid
+
+
+@triton.jit
+def _row_stats(Lse, Delta, offsets, ok):
+    """Base-2 lse and delta of some query rows. Dead and padding rows get lse +inf, so exp2(s − lse) = 0 there
+    even where s is -inf."""
+    lse = tl.load(Lse + offsets, mask=ok, other=float("-inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    return lse, tl.load(Delta + offsets, mask=ok, other=0.0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _forward_step(
+    acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+    stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One key block of the online softmax: rescale sum and accumulator to the new row max, then add the block.
+
+    The sum uses the probabilities before dropout (it is the softmax's denominator); the accumulator after."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
+    s = _base2_scores(
+        q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale,
+        MASKED, CAUSAL, HAS_BIAS, IEEE,
+    )
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid exp2(-inf − -inf)
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        p = tl.where(_kept(seed, drop_rows[:, None] + cols[None, :], dropout_p), p, 0.0)
+    v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
+    acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _forward_kernel(
+    Q, K, V, Bias, Out, Lse, Seed,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_bb, stride_bh, stride_bm, stride_bn, stride_ob, stride_oh, stride_ot,
+    n_heads, n_kv_heads, len_q, len_k, qk_scale, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see."""
+    q_blocks = tl.cdiv(len_q, BLOCK_M)
+    pid = tl.program_id(0)
+    # Blocks of one head are adjacent (K/V stay in L2); the last, longest causal blocks start first.
+    start_m = (q_blocks - 1 - pid % q_blocks) * BLOCK_M
+    bh = (pid // q_blocks).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
+    kv = h // (n_heads // n_kv_heads)
+    K += b * stride_kb + kv * stride_kh
+    V += b * stride_vb + kv * stride_vh
+    bias = Bias
+    if HAS_BIAS:
+        bias = Bias + b * stride_bb + h * stride_bh
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    drop_rows = (bh * len_q + rows) * len_k
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    free, end = _key_range(start_m, len_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, free, BLOCK_N):
+        acc, m_i, l_i = _forward_step(
+            acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
+            False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )
+    for start_n in range(free, end, BLOCK_N):
+        acc, m_i, l_i = _forward_step(
+            acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
+            True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )
+
+    if HAS_DROPOUT:
+        acc = acc * keep_scale
+    dead = l_i == 0.0  # every key masked: output 0, lse -inf
+    l_i = tl.where(dead, 1.0, l_i)
+    _store_rows(Out + b * stride_ob + h * stride_oh, rows, len_q, stride_ot, acc / l_i[:, None], HEAD_DIM, BLOCK_D)
+    lse = tl.where(dead, float("-inf"), (m_i + tl.math.log2(l_i)) * _LN2)
+    tl.store(Lse + bh * len_q + rows, lse, mask=rows < len_q)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _delta_kernel(
+    Out, GradOut, Delta, stride_ob, stride_oh, stride_ot, stride_gb, stride_gh, stride_gt, n_heads, len_q,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta = rowsum(out ∘ grad_out) in fp32 = rowsum(P ∘ dP), the softmax backward's per-row term."""
+    q_blocks = tl.cdiv(len_q, BLOCK_M)
+    pid = tl.program_id(0)
+    bh = (pid // q_blocks).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = (pid % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o = _load_rows(Out + b * stride_ob + h * stride_oh, rows, len_q, stride_ot, HEAD_DIM, BLOCK_D)
+    do = _load_rows(GradOut + b * stride_gb + h * stride_gh, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh * len_q + rows, delta, mask=rows < len_q)
+
+
+@triton.jit
+def _dq_step(
+    dq, q, do, lse, delta, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+    stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dQ += dS·K for one key block, dS = P ∘ (dP − delta) with P recomputed from lse (scale applied at the end)."""
+    cols = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
+    v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
+    s = _base2_scores(
+        q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale,
+        MASKED, CAUSAL, HAS_BIAS, IEEE,
+    )
+    p = tl.math.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), IEEE)
+    if HAS_DROPOUT:  # dP of the kept, rescaled probabilities, pulled back through the mask
+        dp = tl.where(_kept(seed, drop_rows[:, None] + cols[None, :], dropout_p), dp * keep_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds, k, IEEE)
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, Bias, GradOut, Lse, Delta, DQ, Seed,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt, stride_db, stride_dh, stride_dt,
+    n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dQ of one block of queries (pinned with dO, lse and delta), streaming the key blocks it can see."""
+    q_blocks = tl.cdiv(len_q, BLOCK_M)
+    pid = tl.program_id(0)
+    start_m = (q_blocks - 1 - pid % q_blocks) * BLOCK_M
+    bh = (pid // q_blocks).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
+    do = _load_rows(GradOut + b * stride_gb + h * stride_gh, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
+    lse, delta = _row_stats(Lse, Delta, bh * len_q + rows, rows < len_q)
+    kv = h // (n_heads // n_kv_heads)
+    K += b * stride_kb + kv * stride_kh
+    V += b * stride_vb + kv * stride_vh
+    bias = Bias
+    if HAS_BIAS:
+        bias = Bias + b * stride_bb + h * stride_bh
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    drop_rows = (bh * len_q + rows) * len_k
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    free, end = _key_range(start_m, len_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for start_n in range(0, free, BLOCK_N):
+        dq = _dq_step(
+            dq, q, do, lse, delta, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
+            False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )
+    for start_n in range(free, end, BLOCK_N):
+        dq = _dq_step(
+            dq, q, do, lse, delta, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
+            True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )
+    _store_rows(DQ + b * stride_db + h * stride_dh, rows, len_q, stride_dt, dq * scale, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, Q, GradOut, Lse, Delta, bias, seed, row_base, cols, start_m, len_q, len_k,
+    stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dV += Pᵀ·dO and dK += dSᵀ·Q for one query block, on the transposed (keys × queries) tile."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_rows(Q, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
+    do = _load_rows(GradOut, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
+    lse, delta = _row_stats(Lse, Delta, row_base + rows, rows < len_q)
+    s_t = _base2_scores(
+        k, q, bias, rows[None, :], cols[:, None], len_q, len_k, stride_bm, stride_bn, qk_scale,
+        MASKED, CAUSAL, HAS_BIAS, IEEE,
+    )
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    dp_t = _dot(v, tl.trans(do), IEEE)
+    if HAS_DROPOUT:
+        kept = _kept(seed, (row_base + rows)[None, :] * len_k + cols[:, None], dropout_p)
+        dv += _dot(tl.where(kept, p_t * keep_scale, 0.0), do, IEEE)
+        dp_t = tl.where(kept, dp_t * keep_scale, 0.0)
+    else:
+        dv += _dot(p_t, do, IEEE)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += _dot(ds_t, q, IEEE)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, Bias, GradOut, Lse, Delta, DK, DV, Seed,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt,
+    stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
+    n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """dK and dV of one block of keys of one (batch, kv head): pinned K/V, swept over the query blocks of every
+    query head of the group, so the GQA sum happens in registers."""
+    k_blocks = tl.cdiv(len_k, BLOCK_N)
+    pid = tl.program_id(0)
+    start_n = (pid % k_blocks) * BLOCK_N  # causal: the first key blocks are the longest
+    bkv = (pid // k_blocks).to(tl.int64)
+    b = bkv // n_kv_heads
+    kv = bkv % n_kv_heads
+    group = n_heads // n_kv_heads
+    cols = start_n + tl.arange(0, BLOCK_N)
+    k = _load_rows(K + b * stride_kb + kv * stride_kh, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
+    v = _load_rows(V + b * stride_vb + kv * stride_vh, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    lo, mid = _query_range(start_n, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for g in range(0, group):
+        h = kv * group + g
+        q_h = Q + b * stride_qb + h * stride_qh
+        do_h = GradOut + b * stride_gb + h * stride_gh
+        bias = Bias
+        if HAS_BIAS:
+            bias = Bias + b * stride_bb + h * stride_bh
+        row_base = (b * n_heads + h) * len_q
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_h, do_h, Lse, Delta, bias, seed, row_base, cols, start_m, len_q, len_k,
+                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
+                True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_M, BLOCK_D,
+            )
+        for start_m in range(mid, len_q, BLOCK_M):
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_h, do_h, Lse, Delta, bias, seed, row_base, cols, start_m, len_q, len_k,
+                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
+                False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_M, BLOCK_D,
+            )
+    _store_rows(DK + b * stride_dkb + kv * stride_dkh, cols, len_k, stride_dkt, dk * scale, HEAD_DIM, BLOCK_D)
+    _store_rows(DV + b * stride_dvb + kv * stride_dvh, cols, len_k, stride_dvt, dv, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _keep_mask_kernel(Seed, Keep, len_q, len_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward's dropout draws for one tile of one (batch, head), written out (tests only)."""
+    q_blocks = tl.cdiv(len_q, BLOCK_M)
+    k_blocks = tl.cdiv(len_k, BLOCK_N)
+    pid = tl.program_id(0)
+    bh = (pid // (q_blocks * k_blocks)).to(tl.int64)
+    rows = (pid // k_blocks % q_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % k_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offsets = (bh * len_q + rows)[:, None] * len_k + cols[None, :]
+    kept = _kept(tl.load(Seed), offsets, dropout_p)
+    tl.store(Keep + offsets, kept.to(tl.int8), mask=(rows < len_q)[:, None] & (cols < len_k)[None, :])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """(forward, backward) launch settings for a padded head dim and dtype, fixed rather than autotuned.
+
+    Forward: BLOCK_M queries pinned against BLOCK_N streamed keys. Backward: PINNED rows (queries for dQ, keys
+    for dK/dV) against SWEPT streamed rows. ``extras`` (a bias or dropout) adds a tile of bias values or Philox
+    state to every step, so those launches get more warps or narrower streamed tiles.
+
+    Chosen from offline sm_90 compiles (ptxas -v; not timed on a GPU): the 16-bit kernels stay within 255
+    registers a thread with no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
+    (pinned + stages · 2 · streamed) · D elements, stays ≤ 160 KB of Hopper's 227 KB. D ≤ 64 uses the Triton
+    tutorial's tile shapes. fp32 at "highest" precision multiplies on the FMA units, which need small tiles.
+    """
+    if _interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16}, {"PINNED": 16, "SWEPT": 16}
+    if dtype == torch.float32:
+        side = 32 if block_d <= 128 else 16
+        fwd_m, fwd_n, pinned, swept = side, 32 if block_d <= 64 else 16, side, 16
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 4, 4, 2, 2
+    elif block_d <= 64:
+        (fwd_m, fwd_n), (pinned, swept) = (128, 64), (128, 32)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8 if extras else 4, 8, 3, 3
+    elif block_d <= 128:
+        (fwd_m, fwd_n), (pinned, swept) = (128, 32 if extras else 64), (128, 16 if extras else 32)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 8, 3, 2
+    else:
+        (fwd_m, fwd_n), (pinned, swept) = (64, 32 if extras else 64), (64, 16)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 8, 2, 2
+    return (
+        {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "num_warps": fwd_warps, "num_stages": fwd_stages},
+        {"PINNED": pinned, "SWEPT": swept, "num_warps": bwd_warps, "num_stages": bwd_stages},
+    )
+
+
+def _ieee(dtype: torch.dtype) -> bool:
+    """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
+    if _interpreting():
+        return True
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if bias is None else bias.stride()
+
+
+def _block_d(head_dim: int) -> int:
+    """D padded to a power of two, at least 16 (tl.dot's smallest operand side)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _flags(q: torch.Tensor, bias, causal: bool, dropout_p: float) -> dict:
+    head_dim = q.shape[-1]
+    return {
+        "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "CAUSAL": causal,
+        "HAS_BIAS": bias is not None, "HAS_DROPOUT": dropout_p > 0.0, "IEEE": _ieee(q.dtype),
+    }
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Hq, Tq, D] (q's dtype) and natural-log lse [B, Hq, Tq] fp32 of softmax(q kᵀ·scale + bias) v.
+
+    k, v: [B, Hk, Tk, D], Hq % Hk == 0; bias: None or a [B, Hq, Tq, Tk] view (stride-0 broadcasts are read
+    in place); seed: 1-element int64 tensor on q's device (read only when dropout_p > 0)."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    batch, n_heads, len_q, head_dim = q.shape
+    n_kv_heads, len_k = k.shape[1], k.shape[2]
+    out = q.new_empty((batch, n_heads, len_q, head_dim))
+    lse = q.new_empty((batch, n_heads, len_q), dtype=torch.float32)
+    tiles, _ = _tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    grid = (triton.cdiv(len_q, tiles["BLOCK_M"]) * batch * n_heads,)
+    if grid[0] == 0:
+        return out, lse
+    _launchable(_forward_kernel)[grid](
+        q, k, v, bias, out, lse, seed if dropout_p > 0.0 else None,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3],
+        n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), dropout_p, 1.0 / (1.0 - dropout_p),
+        **_flags(q, bias, causal, dropout_p), **tiles,
+    )
+    return out, lse
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    scale: float,
+    causal: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (inputs' shapes and dtypes, contiguous) from the forward's out and lse; dk/dv of a shared
+    key/value head sum over its query heads."""
+    q, k, v, out, grad_out = (_unit_last(t) for t in (q, k, v, out, grad_out))
+    lse = lse.contiguous()
+    batch, n_heads, len_q, head_dim = q.shape
+    n_kv_heads, len_k = k.shape[1], k.shape[2]
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    _, tiles = _tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    pinned, swept = tiles.pop("PINNED"), tiles.pop("SWEPT")
+    flags = _flags(q, bias, causal, dropout_p)
+    seed = seed if dropout_p > 0.0 else None
+    common = (n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), scale, dropout_p, 1.0 / (1.0 - dropout_p))
+
+    delta = torch.empty_like(lse)
+    grid = (triton.cdiv(len_q, pinned) * batch * n_heads,)
+    if grid[0]:
+        _launchable(_delta_kernel)[grid](
+            out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, len_q,
+            HEAD_DIM=head_dim, BLOCK_M=pinned, BLOCK_D=flags["BLOCK_D"],
+        )
+        _launchable(_dq_kernel)[grid](
+            q, k, v, bias, grad_out, lse, delta, dq, seed,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
+            *dq.stride()[:3], *common,
+            **flags, BLOCK_M=pinned, BLOCK_N=swept, **tiles,
+        )
+    grid = (triton.cdiv(len_k, pinned) * batch * n_kv_heads,)
+    if grid[0]:
+        _launchable(_dkdv_kernel)[grid](
+            q, k, v, bias, grad_out, lse, delta, dk, dv, seed,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3], *common,
+            **flags, BLOCK_M=swept, BLOCK_N=pinned, **tiles,
+        )
+    return dq, dk, dv
+
+
+def dropout_keep_mask(
+    seed: torch.Tensor, batch: int, n_heads: int, len_q: int, len_k: int, dropout_p: float, device
+) -> torch.Tensor:
+    """The keep mask [B, Hq, Tq, Tk] (bool) that forward and backward draw for ``seed``: for tests and debugging."""
+    keep = torch.empty((batch, n_heads, len_q, len_k), dtype=torch.int8, device=device)
+    blocks = {"BLOCK_M": 16, "BLOCK_N": 16} if _interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
+    grid = (batch * n_heads * triton.cdiv(len_q, blocks["BLOCK_M"]) * triton.cdiv(len_k, blocks["BLOCK_N"]),)
+    if grid[0]:
+        _launchable(_keep_mask_kernel)[grid](seed, keep, len_q, len_k, dropout_p, **blocks)
+    return keep.bool()

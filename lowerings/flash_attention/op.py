@@ -1,0 +1,146 @@
+"""``torch.ops.memopt.flash_attention``: attention that keeps O(T) memory, forward and backward.
+
+    out, lse, seed = torch.ops.memopt.flash_attention(q, k, v, bias, scale, causal, dropout_p)
+
+q is [B, Hq, Tq, D], k and v [B, Hk, Tk, D] with Hq a multiple of Hk (grouped-query attention, without
+repeating k and v). ``bias`` is None or an additive float tensor broadcastable to [B, Hq, Tq, Tk] (padding
+masks, position biases; a boolean mask becomes 0 / -inf); it must not need a gradient. ``causal`` masks keys
+after the query (top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``), without any T×T
+tensor. ``lse`` is the fp32 log-sum-exp per query; ``seed`` the dropout seed drawn from torch's generator.
+Autograd saves q, k, v, bias, out, lse and the seed, never the Tq×Tk probabilities.
+
+On CUDA forward and backward are Triton kernels that Inductor emits (``kernels.py``, a ``triton_op``); on
+CPU both are the block-by-block PyTorch reference (``reference.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
+from lowerings.flash_attention import reference
+
+if HAS_TRITON:
+    from lowerings.flash_attention import kernels
+
+
+def working_set(batch, heads, queries, keys, device: torch.device) -> dict[str, object]:
+    """Bytes the op keeps beyond its inputs and output, by name (for the graph rewrite's memory model)."""
+    terms: dict[str, object] = {"saved: log-sum-exp [B, H, Tq] (fp32)": batch * heads * queries * 4}
+    if device.type != "cuda":
+        scores = torch.sym_min(batch * heads * queries * keys * 4, reference.BLOCK_BYTES)
+        terms["transient: one block of scores, probabilities and their gradient (CPU reference)"] = 3 * scores
+    return terms
+
+
+def _check_inputs(q, k, v, bias, dropout_p) -> None:
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "memopt.flash_attention: q, k, v must be 4-D")
+    torch._check(
+        k.shape == v.shape, lambda: f"memopt.flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    )
+    torch._check(
+        q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3],
+        lambda: f"memopt.flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim",
+    )
+    torch._check(
+        q.shape[1] % k.shape[1] == 0,
+        lambda: f"memopt.flash_attention: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key heads",
+    )
+    torch._check(q.dtype == k.dtype == v.dtype, lambda: "memopt.flash_attention: q, k, v must share a dtype")
+    torch._check(0.0 <= dropout_p < 1.0, lambda: "memopt.flash_attention: dropout_p must be in [0, 1)")
+    if bias is not None:
+        torch._check(bias.dim() <= 4, lambda: "memopt.flash_attention: bias has more than 4 dimensions")
+        torch._check(bias.is_floating_point(), lambda: "memopt.flash_attention: bias must be floating point")
+        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        for size, target in zip(reversed(bias.shape), reversed(full), strict=False):
+            torch._check(
+                size == 1 or size == target,
+                lambda: f"memopt.flash_attention: bias {tuple(bias.shape)} does not broadcast to [B, Hq, Tq, Tk] = "
+                f"{full}",
+            )
+
+
+def _full_bias(bias, q, k):
+    """The bias as a [B, Hq, Tq, Tk] view (broadcast dimensions have stride 0; nothing is copied)."""
+    if bias is None:
+        return None
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+@reference_op("flash_attention_reference")
+def flash_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
+    dropout_p: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.forward(q, k, v, bias, scale, causal, dropout_p, int(seed.item()))
+
+
+@flash_attention_reference.register_fake
+def _(q, k, v, bias, scale, causal, dropout_p, seed):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=reference.compute_dtype(q.dtype))
+
+
+@reference_op("flash_attention_backward_reference")
+def flash_attention_backward_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.backward(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, int(seed.item()))
+
+
+@flash_attention_backward_reference.register_fake
+def _(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@device_op("flash_attention")
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, v, bias, dropout_p)
+    if dropout_p > 0:
+        seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
+    else:
+        seed = torch.zeros(1, device=q.device, dtype=torch.int64)
+    if HAS_TRITON and on_cuda(q, k, v):
+        out, lse = kernels.forward(q, k, v, _full_bias(bias, q, k), scale, causal, dropout_p, seed)
+    else:
+        out, lse = torch.ops.memopt.flash_attention_reference(q, k, v, bias, scale, causal, dropout_p, seed)
+    return out, lse, seed
+
+
+@device_op("flash_attention_backward")
+def flash_attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+    lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if HAS_TRITON and on_cuda(q, k, v):
+        return kernels.backward(
+            q, k, v, _full_bias(bias, q, k), out, lse, grad_out, scale, causal, dropout_p, seed
+        )
+    return torch.ops.memopt.flash_attention_backward_reference(
+        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, scale, causal, dropout_p = inputs
+    if bias is not None and bias.requires_grad:
+        raise RuntimeError("memopt.flash_attention: the bias must not require a gradient (not supported)")
+    out, lse, seed = output
+    ctx.mark_non_differentiable(lse, seed)
+    ctx.save_for_backward(q, k, v, bias, out, lse, seed)
+    ctx.options = (scale, causal, dropout_p)
+
+
+def _backward(ctx, grad_out, grad_lse, grad_seed):
+    q, k, v, bias, out, lse, seed = ctx.saved_tensors
+    scale, causal, dropout_p = ctx.options
+    dq, dk, dv = torch.ops.memopt.flash_attention_backward(
+        q, k, v, bias, out, lse, grad_out.contiguous(), scale, causal, dropout_p, seed
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup_context)

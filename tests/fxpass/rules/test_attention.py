@@ -1,0 +1,236 @@
+"""The attention rule on each pattern form: rewritten graphs, eager's numbers, causal masks as flags, declines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+from expecttest import TestCase
+
+from tests.helpers import after_code, assert_close_all, grads, record_lines, rewritten
+
+B, H, T, D = 2, 2, 6, 8
+
+
+def _qkv(heads=H, kv_heads=H, queries=T, keys=T, dim=D, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(B, heads, queries, dim, generator=gen, dtype=dtype).requires_grad_(),
+        torch.randn(B, kv_heads, keys, dim, generator=gen, dtype=dtype).requires_grad_(),
+        torch.randn(B, kv_heads, keys, dim, generator=gen, dtype=dtype).requires_grad_(),
+    )
+
+
+def _check(fn, *inputs, **options):
+    """Rewrite ``fn``; its output and the gradients of every input equal eager's (float32 on CPU)."""
+    expected = fn(*inputs)
+    weights = torch.randn_like(expected)
+    explanation = rewritten(fn, *inputs, **options)
+    actual = explanation.result
+    torch.testing.assert_close(actual, expected)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    assert_close_all(grads((actual * weights).sum(), leaves), grads((expected * weights).sum(), leaves))
+    return explanation
+
+
+def _attention_records(explanation):
+    return [r for r in explanation.records if r.rule == "attention"]
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT: a registered tril buffer, masked_fill(-inf), softmax, dropout, @ v."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.tril(torch.ones(16, 16)).view(1, 1, 16, 16))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, q, k, v):
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, : q.size(2), : q.size(2)] == 0, float("-inf"))
+        return self.dropout(F.softmax(att, dim=-1)) @ v
+
+
+class TestForms(TestCase):
+    def test_nanogpt_tril_buffer_becomes_a_causal_flag(self):
+        ex = _check(NanoAttention(), *_qkv())
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f32[2, 2, 6, 8]cpu", L_q_: "f32[2, 2, 6, 8]cpu", L_self_buffers_bias_: "f32[1, 1, 16, 16]cpu", L_v_: "f32[2, 2, 6, 8]cpu"):
+        l_k_ = L_k_
+        l_q_ = L_q_
+        l_self_buffers_bias_ = L_self_buffers_bias_
+        l_v_ = L_v_
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.35355339059327373, True, 0.0);  l_q_ = l_k_ = l_v_ = None
+        getitem_1: "f32[2, 2, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        return (getitem_1,)""")
+
+    def test_inline_tril_and_division(self):
+        def fn(q, k, v):
+            scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+            mask = torch.tril(torch.ones(T, T))
+            return torch.softmax(scores.masked_fill(mask == 0, float("-inf")), dim=-1) @ v
+
+        ex = _check(fn, *_qkv())
+        self.assertEqual(_attention_records(ex)[0].params["causal"], True)
+
+    def test_arange_comparison_where_finfo_min(self):
+        """GPT-2 style ``where(causal, scores, finfo.min)`` with the mask built from arange comparisons."""
+
+        def fn(q, k, v):
+            scores = torch.matmul(q, k.transpose(2, 3)) * 0.35
+            rows = torch.arange(T)[:, None]
+            cols = torch.arange(T)[None, :]
+            allowed = (cols <= rows)[None, None]
+            scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
+            return torch.matmul(F.softmax(scores, dim=-1), v)
+
+        ex = _check(fn, *_qkv())
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f32[2, 2, 6, 8]cpu", L_q_: "f32[2, 2, 6, 8]cpu", L_v_: "f32[2, 2, 6, 8]cpu"):
+        l_k_ = L_k_
+        l_q_ = L_q_
+        l_v_ = L_v_
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.35, True, 0.0);  l_q_ = l_k_ = l_v_ = None
+        getitem_3: "f32[2, 2, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        return (getitem_3,)""")
+
+    def test_additive_padding_mask_and_grouped_query_heads(self):
+        """HF's repeat_kv GQA and a [B, 1, 1, Tk] additive padding mask passed as a bias."""
+        padding = torch.zeros(B, 1, 1, T)
+        padding[0, ..., -2:] = torch.finfo(torch.float32).min
+
+        def repeat_kv(x, n):
+            b, h, t, d = x.shape
+            return x[:, :, None, :, :].expand(b, h, n, t, d).reshape(b, h * n, t, d)
+
+        def fn(q, k, v, mask):
+            k, v = repeat_kv(k, 2), repeat_kv(v, 2)
+            weights = torch.matmul(q, k.transpose(2, 3)) * 0.35 + mask
+            weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(weights, v)
+
+        q, k, v = _qkv(heads=4, kv_heads=2)
+        ex = _check(fn, q, k, v, padding)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f32[2, 2, 6, 8]cpu", L_v_: "f32[2, 2, 6, 8]cpu", L_q_: "f32[2, 4, 6, 8]cpu", L_mask_: "f32[2, 1, 1, 6]cpu"):
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_q_ = L_q_
+        l_mask_ = L_mask_
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, l_mask_, 0.35, False, 0.0);  l_q_ = l_k_ = l_v_ = l_mask_ = None
+        getitem_2: "f32[2, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        return (getitem_2,)""")
+        params = _attention_records(ex)[0].params
+        self.assertEqual((params["heads"], params["kv_heads"], params["mask"]), ("4", "2", "additive bias"))
+
+    def test_batched_three_dim_without_scale(self):
+        """T5-like: no scale, ``bmm`` over [B·H, T, D]."""
+
+        def fn(q, k, v):
+            return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
+
+        gen = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(4, T, D, generator=gen, requires_grad=True) for _ in range(3))
+        ex = _check(fn, q, k, v)
+        self.assertEqual(_attention_records(ex)[0].params["scale"], 1.0)
+
+    def test_cross_attention_lengths_differ(self):
+        q, k, v = _qkv(queries=5, keys=9)
+        ex = _check(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1) @ v, q, k, v)
+        self.assertEqual(_attention_records(ex)[0].params["keys"], "9")
+
+    def test_dropout_is_passed_on(self):
+        """Dropout in training mode reaches the op (its draws differ from eager's, so only shapes compare)."""
+        q, k, v = _qkv()
+        ex = rewritten(NanoAttention(dropout=0.25), q, k, v)
+        [record] = _attention_records(ex)
+        assert record.applied and record.params["dropout_p"] == 0.25
+        assert ex.result.shape == (B, H, T, D)
+        # Unbiased dropout: the mean over many draws approaches the no-dropout output.
+        torch.manual_seed(3)
+        fused = torch.ops.memopt.flash_attention
+        mean = sum(fused(q, k, v, None, 0.35, True, 0.25)[0] for _ in range(400)) / 400
+        torch.testing.assert_close(mean, fused(q, k, v, None, 0.35, True, 0.0)[0], rtol=0.1, atol=0.1)
+
+
+class TestDeclines(TestCase):
+    def test_probabilities_returned(self):
+        def fn(q, k, v):
+            probs = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
+            return probs @ v, probs
+
+        self.assertExpectedInline(record_lines(rewritten(fn, *_qkv())), """attention applied=False proof=None: the attention scores/probabilities (probs) are also returned from the compiled graph, so they stay alive""")
+
+    def test_learned_position_bias(self):
+        position_bias = nn.Parameter(torch.randn(1, H, T, T))
+        ex = rewritten(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) + position_bias, dim=-1) @ v, *_qkv())
+        self.assertExpectedInline(record_lines(ex), """attention applied=False proof=None: the additive bias needs a gradient (a learned position bias): not supported by memopt.flash_attention""")
+
+    def test_sdpa_left_alone(self):
+        ex = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *_qkv())
+        self.assertExpectedInline(record_lines(ex), """attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is""")
+
+    def test_softmax_that_is_not_attention(self):
+        gate = nn.Linear(D, 4)
+        ex = rewritten(lambda x: torch.softmax(gate(x), dim=-1).sum(), torch.randn(B, T, D))
+        assert _attention_records(ex) == []
+
+
+def _hf(name: str):
+    common = dict(vocab_size=384, attn_implementation="eager")
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common
+        )
+        model = transformers.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"
+    elif name == "llama":
+        config = transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, **common,
+        )
+        model = transformers.LlamaForCausalLM(config)
+        model.loss_type = "ForCausalLM"
+    else:
+        config = transformers.BertConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **common,
+        )
+        model = transformers.BertForMaskedLM(config)
+        model.loss_type = "ForMaskedLM"
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "padding", "mask_kind"),
+    [("gpt2", False, "causal (flag)"), ("llama", False, "causal (flag)"), ("llama", True, "additive bias"),
+     ("bert", True, "additive bias")],
+)
+def test_hf_eager_attention_rewritten_in_every_layer(name, padding, mask_kind):
+    """HF models with eager attention: every layer's attention is rewritten; loss and gradients equal eager."""
+    torch.manual_seed(0)
+    model = _hf(name)
+    ids = torch.randint(3, 384, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, -3:] = 0
+
+    def step(ids, mask):
+        return model(input_ids=ids, attention_mask=mask if padding else None, labels=ids).loss
+
+    _, params = zip(*model.named_parameters(), strict=True)
+    expected = step(ids, mask)
+    expected_grads = grads(expected, params)
+    ex = rewritten(step, ids, mask)
+    records = _attention_records(ex)
+    assert len(records) == 2 and all(r.applied for r in records), [r.reason for r in records]
+    assert {r.params["mask"] for r in records} == {mask_kind}
+    torch.testing.assert_close(ex.result, expected)
+    assert_close_all(grads(ex.result, params), expected_grads, rtol=1e-4, atol=1e-5)

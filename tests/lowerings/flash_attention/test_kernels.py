@@ -1,0 +1,243 @@
+"""Flash-attention Triton kernels against float64 math: on CPU through Triton's interpreter, on CUDA natively.
+
+Sequence lengths are odd on purpose: they are not multiples of the 16-row interpreter tiles, so every kernel
+meets ragged query and key blocks, and causal runs meet blocks that straddle the diagonal.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lowerings.flash_attention import kernels  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEG_INF = float("-inf")
+
+
+def _attention(q, k, v, bias, scale, causal, keep=None, dropout_p=0.0):
+    """softmax(q kᵀ·scale + bias + causal mask) v in the inputs' dtype, GQA by repeat_interleave.
+
+    Rows with no visible key give output 0 and lse -inf (torch.softmax would give NaN). ``keep`` applies a
+    dropout mask, scaled by 1/(1 − p), after the softmax."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    if causal:
+        visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~visible, NEG_INF)
+    dead = torch.isneginf(s).all(-1, keepdim=True)
+    s = s.masked_fill(dead, 0.0)
+    lse = torch.logsumexp(s, -1).masked_fill(dead.squeeze(-1), NEG_INF)
+    p = torch.softmax(s, -1).masked_fill(dead, 0.0)
+    if keep is not None:
+        p = p * keep / (1.0 - dropout_p)
+    return p @ v, lse
+
+
+def _reference(q, k, v, bias, grad_out, scale, causal, keep=None, dropout_p=0.0):
+    """Float64 out, lse and (dq, dk, dv) of the same inputs."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    bias = None if bias is None else bias.double()
+    out, lse = _attention(*leaves, bias, scale, causal, keep, dropout_p)
+    grads = torch.autograd.grad(out, leaves, grad_out.double())
+    return out, lse, grads
+
+
+def _inputs(b, hq, hk, tq, tk, d, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, grad_out = torch.randn(b, hq, tq, d, generator=gen), torch.randn(b, hq, tq, d, generator=gen)
+    k, v = torch.randn(b, hk, tk, d, generator=gen), torch.randn(b, hk, tk, d, generator=gen)
+    return [t.to(DEVICE, dtype) for t in (q, k, v, grad_out)]
+
+
+def _padding_bias(b, hq, tq, tk, dtype=torch.float32):
+    """[B, 1, 1, Tk] key-padding mask expanded to [B, Hq, Tq, Tk]: batch 1 loses its last 7 keys."""
+    bias = torch.zeros(b, 1, 1, tk)
+    bias[1:, ..., tk - 7 :] = NEG_INF
+    return bias.to(DEVICE, dtype).expand(b, hq, tq, tk)
+
+
+def _position_bias(b, hq, tq, tk, dtype=torch.float32):
+    """[1, Hq, Tq, Tk] relative-position-like bias expanded over the batch."""
+    gen = torch.Generator().manual_seed(tq * tk)
+    return torch.randn(1, hq, tq, tk, generator=gen).to(DEVICE, dtype).expand(b, hq, tq, tk)
+
+
+def _run(q, k, v, bias, grad_out, scale, causal, dropout_p=0.0, seed=None):
+    out, lse = kernels.forward(q, k, v, bias, scale, causal, dropout_p, seed)
+    return out, lse, kernels.backward(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed)
+
+
+def _assert_fp32_close(ours, expected):
+    out, lse, grads = ours
+    ref_out, ref_lse, ref_grads = expected
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, actual, ref in zip(names, (out, lse, *grads), (ref_out, ref_lse, *ref_grads), strict=True):
+        torch.testing.assert_close(actual.double(), ref, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+CASES = {
+    "gqa": dict(shape=(2, 4, 2, 19, 23, 16), causal=False, bias=None),
+    "gqa-causal-padded-d": dict(shape=(2, 4, 2, 19, 23, 24), causal=True, bias=None),
+    "causal-square-padding-bias": dict(shape=(2, 2, 2, 33, 33, 16), causal=True, bias=_padding_bias),
+    "mqa-causal-tall-position-bias": dict(shape=(1, 4, 1, 23, 17, 16), causal=True, bias=_position_bias),
+    "one-query-causal": dict(shape=(2, 2, 1, 1, 23, 16), causal=True, bias=None),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_fp32_matches_float64(case):
+    """fp32 operands multiply exactly (IEEE), so out, lse and all gradients agree with float64 to fp32 rounding."""
+    b, hq, _, tq, tk, d = case["shape"]
+    q, k, v, grad_out = _inputs(*case["shape"])
+    bias = None if case["bias"] is None else case["bias"](b, hq, tq, tk)
+    scale = d**-0.5
+    ours = _run(q, k, v, bias, grad_out, scale, case["causal"])
+    _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, scale, case["causal"]))
+    assert ours[0].is_contiguous() and all(g.is_contiguous() for g in ours[2])
+
+
+def test_strided_inputs():
+    """BSHD-permuted q, a head-dim slice of a wider k and a v whose last dim is not unit-stride."""
+    b, hq, hk, tq, tk, d = 2, 4, 2, 19, 23, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=1)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)
+    k_view = torch.cat([k, torch.randn_like(k)], dim=-1)[..., :d]
+    v_view = v.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not q_view.is_contiguous() and not k_view.is_contiguous() and v_view.stride(-1) != 1
+    bias = _position_bias(b, hq, tq, tk)
+    ours = _run(q_view, k_view, v_view, bias, grad_out.transpose(1, 2).contiguous().transpose(1, 2), 0.3, False)
+    _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, 0.3, False))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fully_masked_rows(causal):
+    """Rows whose keys are all -inf give out 0 and lse -inf with finite gradients; a row whose first key block
+    is masked but later ones are not is exact (the running max starts at -inf)."""
+    b, hq, hk, tq, tk, d = 1, 2, 1, 19, 23, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=2)
+    bias = torch.zeros(1, 1, tq, tk)
+    bias[0, 0, 3] = NEG_INF  # dead row
+    bias[0, 0, 17, :16] = NEG_INF  # first key block masked (causal: key 16 stays visible)
+    bias[0, 0, 11, :-1] = NEG_INF  # one key left (causal: dead)
+    bias = bias.to(DEVICE).expand(b, hq, tq, tk)
+    ours = _run(q, k, v, bias, grad_out, d**-0.5, causal)
+    expected = _reference(q, k, v, bias, grad_out, d**-0.5, causal)
+    _assert_fp32_close(ours, expected)
+    out, lse, grads = ours
+    dead = [3, 11] if causal else [3]
+    assert torch.all(out[:, :, dead] == 0) and torch.all(torch.isneginf(lse[:, :, dead]))
+    assert torch.isfinite(lse[:, :, 17]).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_no_worse_than_eager(dtype):
+    """|ours − fp64| ≤ 2·|eager same dtype − fp64| + floor for out, lse and every gradient (the FA2 test rule)."""
+    b, hq, hk, tq, tk, d = 2, 4, 2, 19, 23, 24
+    q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, dtype, seed=3)
+    bias = _position_bias(b, hq, tq, tk, dtype)
+    scale = d**-0.5
+    out, lse, grads = _run(q, k, v, bias, grad_out, scale, True)
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager_out, eager_lse = _attention(*leaves, bias, scale, True)
+    eager_grads = torch.autograd.grad(eager_out, leaves, grad_out)
+    ref_out, ref_lse, ref_grads = _reference(q, k, v, bias, grad_out, scale, True)
+    triples = zip(
+        ("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (eager_out, eager_lse, *eager_grads),
+        (ref_out, ref_lse, *ref_grads), strict=True,
+    )
+    for name, mine, theirs, truth in triples:
+        our_error = (mine.double() - truth).abs().max().item()
+        eager_error = (theirs.double() - truth).abs().max().item()
+        assert our_error <= 2 * eager_error + 1e-5, (name, our_error, eager_error)
+
+
+def _seed(value):
+    return torch.tensor([value], dtype=torch.int64, device=DEVICE)
+
+
+def test_dropout_draws_are_seeded():
+    """p = 0 is no dropout; a seed fixes the draw, another seed changes it; about 1 − p of the mask is kept."""
+    shape = (2, 4, 2, 19, 23, 16)
+    q, k, v, _ = _inputs(*shape, seed=4)
+    plain, plain_lse = kernels.forward(q, k, v, None, 0.25, True, 0.0, None)
+    zero, zero_lse = kernels.forward(q, k, v, None, 0.25, True, 0.0, _seed(7))
+    assert torch.equal(plain, zero) and torch.equal(plain_lse, zero_lse)
+    first, first_lse = kernels.forward(q, k, v, None, 0.25, True, 0.3, _seed(7))
+    again, _ = kernels.forward(q, k, v, None, 0.25, True, 0.3, _seed(7))
+    other, _ = kernels.forward(q, k, v, None, 0.25, True, 0.3, _seed(8))
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(first_lse, plain_lse)  # lse is taken before dropout
+
+    keep = kernels.dropout_keep_mask(_seed(7), 2, 4, 19, 23, 0.3, DEVICE)
+    assert keep.shape == (2, 4, 19, 23) and keep.dtype == torch.bool
+    assert abs(keep.float().mean().item() - 0.7) < 0.03
+    assert not torch.equal(keep, kernels.dropout_keep_mask(_seed(8), 2, 4, 19, 23, 0.3, DEVICE))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_backward_uses_the_forward_mask(causal):
+    """With the kernel's own keep mask in a float64 reference, out, lse and all gradients agree to fp32 rounding."""
+    b, hq, hk, tq, tk, d = 2, 4, 2, 19, 23, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=5)
+    bias = _padding_bias(b, hq, tq, tk)
+    seed, p = _seed(1234), 0.2
+    keep = kernels.dropout_keep_mask(seed, b, hq, tq, tk, p, DEVICE)
+    ours = _run(q, k, v, bias, grad_out, d**-0.5, causal, p, seed)
+    _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, d**-0.5, causal, keep, p))
+
+
+def test_dropout_is_unbiased():
+    """The mean over 256 draws (a stride-0 batch: one problem, a different mask per batch index) is within
+    5 standard deviations, computed from the exact probabilities, of the output without dropout."""
+    draws, tq, tk, d, p = 256, 13, 21, 16, 0.3
+    q, k, v, _ = _inputs(1, 1, 1, tq, tk, d, seed=6)
+    expand = lambda t: t.expand(draws, -1, -1, -1)  # noqa: E731
+    out, _ = kernels.forward(expand(q), expand(k), expand(v), None, d**-0.5, False, p, _seed(99))
+    probs = torch.softmax(q.double() @ k.double().transpose(-1, -2) * d**-0.5, -1)[0, 0]
+    exact = probs @ v.double()[0, 0]
+    std = ((probs**2 @ v.double()[0, 0] ** 2) * p / (1 - p) / draws).sqrt()
+    assert ((out.double().mean(0)[0] - exact).abs() <= 5 * std + 1e-6).all()
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [({"BLOCK_M": 32, "BLOCK_N": 16}, {"PINNED": 32, "SWEPT": 16}),
+     ({"BLOCK_M": 16, "BLOCK_N": 32}, {"PINNED": 16, "SWEPT": 32})],
+    ids=["tall", "wide"],
+)
+def test_unequal_tiles(monkeypatch, tiles):
+    """Block skipping and the masked/unmasked split hold when query and key tiles differ (as on CUDA)."""
+    monkeypatch.setattr(kernels, "_tiles", lambda block_d, dtype, extras: (dict(tiles[0]), dict(tiles[1])))
+    b, hq, hk, tq, tk, d = 1, 2, 1, 37, 29, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=7)
+    bias = _position_bias(b, hq, tq, tk)
+    seed, p = _seed(5), 0.25
+    keep = kernels.dropout_keep_mask(seed, b, hq, tq, tk, p, DEVICE)
+    ours = _run(q, k, v, bias, grad_out, d**-0.5, True, p, seed)
+    _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, d**-0.5, True, keep, p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_cuda_tiles_fit_shared_memory(monkeypatch, dtype):
+    """The fixed CUDA tiles are valid dot shapes and their pipelined K/V (or Q/dO) tiles fit Hopper's 227 KB."""
+    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    size = torch.finfo(dtype).bits // 8
+    for head_dim, extras in itertools.product((16, 32, 64, 80, 96, 128, 256), (False, True)):
+        block_d = kernels._block_d(head_dim)
+        fwd, bwd = kernels._tiles(block_d, dtype, extras)
+        blocks = (fwd["BLOCK_M"], fwd["BLOCK_N"], bwd["PINNED"], bwd["SWEPT"])
+        assert all(x >= 16 and x & (x - 1) == 0 for x in blocks)
+        forward_bytes = (fwd["BLOCK_M"] + fwd["num_stages"] * 2 * fwd["BLOCK_N"]) * block_d * size
+        backward_bytes = (2 * bwd["PINNED"] + bwd["num_stages"] * 2 * bwd["SWEPT"]) * block_d * size
+        assert max(forward_bytes, backward_bytes) <= 170 * 1024, (head_dim, forward_bytes, backward_bytes)
