@@ -9,6 +9,7 @@ Without Triton (e.g. macOS) the same body is registered as a plain ``custom_op``
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -38,3 +39,15 @@ def reference_op(name: str) -> Callable[[Callable], torch.library.CustomOpDef]:
 
 def on_cuda(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cuda" for t in tensors)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def launchable(kernel):
+    """``kernel`` wrapped so that Inductor can trace and emit it; the raw kernel under the interpreter."""
+    if interpreting():
+        return kernel
+    return torch.library.wrap_triton(kernel)

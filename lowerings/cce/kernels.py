@@ -20,11 +20,11 @@ buffers, which functionalization would turn into copies of whole gradients. With
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from lowerings._library import interpreting, launchable
 
 # Columns of ∂loss/∂logits materialized per backward chunk (N × columns in the input dtype): at most
 # CHUNK_COLUMNS, fewer when N is large so that a chunk stays within CHUNK_BYTES (but at least MIN_COLUMNS).
@@ -35,14 +35,6 @@ MIN_COLUMNS = 512
 FORWARD_SPLIT_COLUMNS = 16384
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _launchable(kernel):
-    if _interpreting():
-        return kernel
-    return torch.library.wrap_triton(kernel)
 
 
 @triton.jit
@@ -215,7 +207,7 @@ def _accumulate_product_kernel(
 
 def _blocks(dtype: torch.dtype) -> dict[str, int]:
     """Tile sizes: large tiles for the tensor cores, tiny ones for the CPU interpreter."""
-    if _interpreting():
+    if interpreting():
         return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16}
     if dtype == torch.float32:
         return {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
@@ -225,7 +217,7 @@ def _blocks(dtype: torch.dtype) -> dict[str, int]:
 
 
 def _product_blocks(dtype: torch.dtype) -> dict[str, int]:
-    if _interpreting():
+    if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
     if dtype == torch.float32:
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
@@ -251,7 +243,7 @@ def accumulate_product(high: torch.Tensor, low: torch.Tensor | None, a: torch.Te
 
 def _ieee(dtype: torch.dtype) -> bool:
     """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
-    if _interpreting():
+    if interpreting():
         return True
     return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
@@ -276,7 +268,7 @@ def forward_rows(
     )
     want_logit_sum = label_smoothing != 0.0
     grid = (triton.cdiv(n_rows, blocks["BLOCK_N"]) * splits,)
-    _launchable(_lse_forward_kernel)[grid](
+    launchable(_lse_forward_kernel)[grid](
         hidden, weight, bias, targets,
         part_max, part_sum, part_target, part_logit_sum,
         n_rows, n_cols, dim, cols_per_split,
@@ -327,7 +319,7 @@ def backward(
     for start in range(0, n_cols, chunk):
         cols = min(chunk, n_cols - start)
         g = grad_chunk[:, :cols]
-        _launchable(_grad_logits_kernel)[grid](
+        launchable(_grad_logits_kernel)[grid](
             hidden, weight, bias, targets, lse, grad_rows, grad_lse, g,
             n_rows, n_cols, dim, start, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),

@@ -20,24 +20,17 @@ With ``TRITON_INTERPRET=1`` (CPU tests) the kernels run in Triton's interpreter,
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lowerings._library import interpreting, launchable
+
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _launchable(kernel):
-    if _interpreting():
-        return kernel
-    return torch.library.wrap_triton(kernel)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -431,7 +424,7 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     (pinned + stages · 2 · streamed) · D elements, stays ≤ 160 KB of Hopper's 227 KB. D ≤ 64 uses the Triton
     tutorial's tile shapes. fp32 at "highest" precision multiplies on the FMA units, which need small tiles.
     """
-    if _interpreting():
+    if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16}, {"PINNED": 16, "SWEPT": 16}
     if dtype == torch.float32:
         side = 32 if block_d <= 128 else 16
@@ -454,7 +447,7 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
 
 def _ieee(dtype: torch.dtype) -> bool:
     """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
-    if _interpreting():
+    if interpreting():
         return True
     return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
@@ -503,7 +496,7 @@ def forward(
     grid = (triton.cdiv(len_q, tiles["BLOCK_M"]) * batch * n_heads,)
     if grid[0] == 0:
         return out, lse
-    _launchable(_forward_kernel)[grid](
+    launchable(_forward_kernel)[grid](
         q, k, v, bias, out, lse, seed if dropout_p > 0.0 else None,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3],
         n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), dropout_p, 1.0 / (1.0 - dropout_p),
@@ -541,11 +534,11 @@ def backward(
     delta = torch.empty_like(lse)
     grid = (triton.cdiv(len_q, pinned) * batch * n_heads,)
     if grid[0]:
-        _launchable(_delta_kernel)[grid](
+        launchable(_delta_kernel)[grid](
             out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, len_q,
             HEAD_DIM=head_dim, BLOCK_M=pinned, BLOCK_D=flags["BLOCK_D"],
         )
-        _launchable(_dq_kernel)[grid](
+        launchable(_dq_kernel)[grid](
             q, k, v, bias, grad_out, lse, delta, dq, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
             *dq.stride()[:3], *common,
@@ -553,7 +546,7 @@ def backward(
         )
     grid = (triton.cdiv(len_k, pinned) * batch * n_kv_heads,)
     if grid[0]:
-        _launchable(_dkdv_kernel)[grid](
+        launchable(_dkdv_kernel)[grid](
             q, k, v, bias, grad_out, lse, delta, dk, dv, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *common,
@@ -567,8 +560,8 @@ def dropout_keep_mask(
 ) -> torch.Tensor:
     """The keep mask [B, Hq, Tq, Tk] (bool) that forward and backward draw for ``seed``: for tests and debugging."""
     keep = torch.empty((batch, n_heads, len_q, len_k), dtype=torch.int8, device=device)
-    blocks = {"BLOCK_M": 16, "BLOCK_N": 16} if _interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
+    blocks = {"BLOCK_M": 16, "BLOCK_N": 16} if interpreting() else {"BLOCK_M": 64, "BLOCK_N": 64}
     grid = (batch * n_heads * triton.cdiv(len_q, blocks["BLOCK_M"]) * triton.cdiv(len_k, blocks["BLOCK_N"]),)
     if grid[0]:
-        _launchable(_keep_mask_kernel)[grid](seed, keep, len_q, len_k, dropout_p, **blocks)
+        launchable(_keep_mask_kernel)[grid](seed, keep, len_q, len_k, dropout_p, **blocks)
     return keep.bool()

@@ -231,7 +231,7 @@ def test_unequal_tiles(monkeypatch, tiles):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 def test_cuda_tiles_fit_shared_memory(monkeypatch, dtype):
     """The fixed CUDA tiles are valid dot shapes and their pipelined K/V (or Q/dO) tiles fit Hopper's 227 KB."""
-    monkeypatch.setattr(kernels, "_interpreting", lambda: False)
+    monkeypatch.setattr(kernels, "interpreting", lambda: False)
     size = torch.finfo(dtype).bits // 8
     for head_dim, extras in itertools.product((16, 32, 64, 80, 96, 128, 256), (False, True)):
         block_d = kernels._block_d(head_dim)
