@@ -136,6 +136,21 @@ def _row_stats(Lse, Delta, offsets, ok):
 
 
 @triton.jit
+def _query_block(len_q, n_heads, n_kv_heads, BLOCK_M: tl.constexpr):
+    """(first row, rows, batch·head, batch, head, key/value head) of this program's block of queries.
+
+    Blocks of one head are adjacent, so its K/V stay in L2; the last (longest causal) blocks start first.
+    """
+    q_blocks = tl.cdiv(len_q, BLOCK_M)
+    pid = tl.program_id(0)
+    start_m = (q_blocks - 1 - pid % q_blocks) * BLOCK_M
+    bh = (pid // q_blocks).to(tl.int64)
+    b = bh // n_heads
+    h = bh % n_heads
+    return start_m, start_m + tl.arange(0, BLOCK_M), bh, b, h, h // (n_heads // n_kv_heads)
+
+
+@triton.jit
 def _forward_step(
     acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
     stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
@@ -173,16 +188,8 @@ def _forward_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see."""
-    q_blocks = tl.cdiv(len_q, BLOCK_M)
-    pid = tl.program_id(0)
-    # Blocks of one head are adjacent (K/V stay in L2); the last, longest causal blocks start first.
-    start_m = (q_blocks - 1 - pid % q_blocks) * BLOCK_M
-    bh = (pid // q_blocks).to(tl.int64)
-    b = bh // n_heads
-    h = bh % n_heads
-    rows = start_m + tl.arange(0, BLOCK_M)
+    start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
-    kv = h // (n_heads // n_kv_heads)
     K += b * stride_kb + kv * stride_kh
     V += b * stride_vb + kv * stride_vh
     bias = Bias
@@ -274,17 +281,10 @@ def _dq_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dQ of one block of queries (pinned with dO, lse and delta), streaming the key blocks it can see."""
-    q_blocks = tl.cdiv(len_q, BLOCK_M)
-    pid = tl.program_id(0)
-    start_m = (q_blocks - 1 - pid % q_blocks) * BLOCK_M
-    bh = (pid // q_blocks).to(tl.int64)
-    b = bh // n_heads
-    h = bh % n_heads
-    rows = start_m + tl.arange(0, BLOCK_M)
+    start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     do = _load_rows(GradOut + b * stride_gb + h * stride_gh, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
     lse, delta = _row_stats(Lse, Delta, bh * len_q + rows, rows < len_q)
-    kv = h // (n_heads // n_kv_heads)
     K += b * stride_kb + kv * stride_kh
     V += b * stride_vb + kv * stride_vh
     bias = Bias
