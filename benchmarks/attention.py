@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
 import lowerings  # noqa: F401
+from benchmarks._common import error_note, release_memory
 
 log = logging.getLogger("benchmarks.attention")
 MiB = 1 << 20
@@ -136,11 +136,9 @@ def measure(name: str, factory, shape: tuple[int, int, int, int], causal: bool, 
     except torch.OutOfMemoryError:
         result.note = "out of memory"
     except Exception as error:  # a backend refusing a shape must not stop the comparison
-        result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+        result.note = error_note(error)
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        release_memory()
     log.info("%s", result)
     return result
 
@@ -178,11 +176,9 @@ def _model_result(name: str, backend, causal_len: int, dtype) -> Result:
         result.peak_mib = (torch.cuda.max_memory_allocated() - base) / MiB
         result.fwd_bwd_ms = triton.testing.do_bench(train, warmup=20, rep=200, return_mode="median")
     except Exception as error:
-        result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"
+        result.note = error_note(error)
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        release_memory()
     log.info("%s", result)
     return result
 

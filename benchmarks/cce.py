@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
+from benchmarks._common import error_note, release_memory
 from lowerings.cce import linear_cross_entropy
 
 log = logging.getLogger("benchmarks.cce")
@@ -198,12 +199,10 @@ def run_case(regime, name, factory, e, c, t, kind, ref, args) -> Result:
     except torch.OutOfMemoryError:
         result.note = "out of memory"
     except Exception as error:  # a peer failing must not stop the comparison
-        result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        result.note = error_note(error)
         log.exception("%s / %s / %s failed", regime, name, kind)
     finally:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        release_memory()
     log.info("%s", result)
     return result
 

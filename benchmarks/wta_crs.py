@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import logging
 import statistics
@@ -28,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
+from benchmarks._common import error_note, release_memory
 from lowerings.wta_crs import reset_estimates
 
 log = logging.getLogger("benchmarks.wta_crs")
@@ -141,14 +141,11 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
     except torch.OutOfMemoryError:
         result.note = "out of memory"
     except Exception as error:
-        result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        result.note = error_note(error)
         log.exception("%s / %s failed", name, variant)
     finally:
         optimizer.state.clear()
-        gc.collect()
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory()
     log.info("%s", result)
     return result
 
