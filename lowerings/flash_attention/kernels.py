@@ -151,6 +151,24 @@ def _query_block(len_q, n_heads, n_kv_heads, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS: tl.constexpr):
+    """The bias of one (batch, head): its base pointer when there is a bias (strides may be 0 to broadcast)."""
+    bias = Bias
+    if HAS_BIAS:
+        bias = Bias + b * stride_bb + h * stride_bh
+    return bias
+
+
+@triton.jit
+def _dropout_seed(Seed, HAS_DROPOUT: tl.constexpr):
+    """The dropout seed, read from its device tensor only when dropout is on."""
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(Seed)
+    return seed
+
+
+@triton.jit
 def _forward_step(
     acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
     stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
@@ -192,12 +210,8 @@ def _forward_kernel(
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     K += b * stride_kb + kv * stride_kh
     V += b * stride_vb + kv * stride_vh
-    bias = Bias
-    if HAS_BIAS:
-        bias = Bias + b * stride_bb + h * stride_bh
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
+    bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
+    seed = _dropout_seed(Seed, HAS_DROPOUT)
     drop_rows = (bh * len_q + rows) * len_k
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -287,12 +301,8 @@ def _dq_kernel(
     lse, delta = _row_stats(Lse, Delta, bh * len_q + rows, rows < len_q)
     K += b * stride_kb + kv * stride_kh
     V += b * stride_vb + kv * stride_vh
-    bias = Bias
-    if HAS_BIAS:
-        bias = Bias + b * stride_bb + h * stride_bh
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
+    bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
+    seed = _dropout_seed(Seed, HAS_DROPOUT)
     drop_rows = (bh * len_q + rows) * len_k
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -363,9 +373,7 @@ def _dkdv_kernel(
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K + b * stride_kb + kv * stride_kh, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
     v = _load_rows(V + b * stride_vb + kv * stride_vh, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
-    seed = 0
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
+    seed = _dropout_seed(Seed, HAS_DROPOUT)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -374,9 +382,7 @@ def _dkdv_kernel(
         h = kv * group + g
         q_h = Q + b * stride_qb + h * stride_qh
         do_h = GradOut + b * stride_gb + h * stride_gh
-        bias = Bias
-        if HAS_BIAS:
-            bias = Bias + b * stride_bb + h * stride_bh
+        bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
         row_base = (b * n_heads + h) * len_q
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _dkdv_step(
