@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from fxpass import masks, shapes
 from fxpass.config import Config
 from fxpass.graph import (
+    MATMUL_TARGETS,
     GraphFacts,
     bind_args,
     describe_node,
@@ -40,7 +41,8 @@ NAME = "attention"
 
 SOFTMAX_TARGETS = (torch.softmax, F.softmax)
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
-MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.bmm)
+# q @ kᵀ and probabilities @ v: the graph's matmul spellings plus bmm over [B·H, T, D].
+SCORE_MATMULS = (*MATMUL_TARGETS, torch.bmm)
 # A fill value at or below this masks a score out completely (finfo(float32).min and -inf included).
 MASKED = -1e30
 
@@ -165,7 +167,7 @@ def _after_softmax(softmax: fx.Node):
         if len(steps) != 1:
             return None
         user = steps[0]
-        if is_call(user, *MATMUL_TARGETS) or is_method(user, "matmul", "bmm"):
+        if is_call(user, *SCORE_MATMULS) or is_method(user, "matmul", "bmm"):
             return tuple(chain), dropout_p, user, user.args[1]
         if is_call(user, F.dropout) or is_method(user, "dropout"):
             bound = bind_args(user, ("input", "p", "training", "inplace"), {"p": 0.5, "training": True})
@@ -182,7 +184,7 @@ def _continues(user: fx.Node, node: fx.Node) -> bool:
         return False
     return (
         is_method(user, "to", "type", "type_as", "float", "half", "bfloat16", "dropout", "matmul", "bmm")
-        or is_call(user, F.dropout, *MATMUL_TARGETS)
+        or is_call(user, F.dropout, *SCORE_MATMULS)
     )
 
 
@@ -244,7 +246,7 @@ def _masks_out(fill: Any) -> bool:
 
 
 def _is_scores_shaped(node: fx.Node) -> bool:
-    return is_call(node, *MATMUL_TARGETS) or is_method(node, "matmul") or _scale_step(node) is not None
+    return is_call(node, *SCORE_MATMULS) or is_method(node, "matmul") or _scale_step(node) is not None
 
 
 def _causal_additive(node: fx.Node, real) -> bool:
@@ -281,7 +283,7 @@ def _scale_step(node: fx.Node):
 
 def _qk_product(node: fx.Node):
     """(q, k) for ``q @ kᵀ`` (matmul or bmm with k transposed on its last two dimensions)."""
-    if not ((is_call(node, *MATMUL_TARGETS) or is_method(node, "matmul", "bmm")) and len(node.args) == 2):
+    if not ((is_call(node, *SCORE_MATMULS) or is_method(node, "matmul", "bmm")) and len(node.args) == 2):
         return None
     q, k_t = node.args
     if not isinstance(k_t, fx.Node) or not _transposes_last_two(k_t):
