@@ -17,7 +17,6 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import networkx as nx
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -151,27 +150,8 @@ class GraphFacts:
         return self.example_inputs[placeholders.index(node)]
 
     @functools.cached_property
-    def dataflow(self) -> nx.DiGraph:
-        """Edges from each node to its users (the graph's dataflow, for reachability queries)."""
-        graph = nx.DiGraph()
-        for node in self.gm.graph.nodes:
-            graph.add_node(node)
-            graph.add_edges_from((node, user) for user in node.users)
-        return graph
-
-    @functools.cached_property
     def output(self) -> fx.Node:
         return next(n for n in reversed(self.gm.graph.nodes) if n.op == "output")
-
-    def users(self, node: fx.Node) -> list[fx.Node]:
-        return list(node.users)
-
-    def is_returned(self, node: fx.Node) -> bool:
-        """``node`` itself is one of the graph's outputs."""
-        return node in self.output.all_input_nodes
-
-    def reaches_output(self, node: fx.Node) -> bool:
-        return nx.has_path(self.dataflow, node, self.output)
 
     def outside_users(
         self, nodes: Iterable[fx.Node], inside: Iterable[fx.Node] = ()

@@ -271,20 +271,12 @@ def _uses(x):
 
 
 class TestGraphFacts:
-    """``outside_users`` lists uses that leave a region; ``is_returned`` tells graph outputs."""
+    """``outside_users`` lists uses that leave a region (the escape check of every rule)."""
 
     @pytest.fixture
     def graph(self):
         gm = capture(_uses, torch.randn(3))
         return GraphFacts(gm), by_name(gm)
-
-    def test_is_returned(self, graph):
-        facts, n = graph
-        assert facts.is_returned(n["b"])
-        assert facts.is_returned(n["d"])
-        assert not facts.is_returned(n["a"])
-        assert not facts.is_returned(n["c"])
-        assert not facts.is_returned(n["l_x_"])
 
     def test_outside_users(self, graph):
         facts, n = graph
@@ -292,24 +284,6 @@ class TestGraphFacts:
         assert facts.outside_users([n["a"]], inside=[n["b"]]) == [(n["a"], n["c"])]
         assert facts.outside_users([n["a"], n["b"], n["c"]]) == [(n["b"], facts.output), (n["c"], n["d"])]
         assert facts.outside_users([n["a"], n["b"], n["c"], n["d"]], inside=[facts.output]) == []
-
-    def test_users_and_reachability(self, graph):
-        facts, n = graph
-        assert facts.output.op == "output"
-        assert facts.users(n["c"]) == [n["d"]]
-        assert facts.reaches_output(n["a"])
-        assert facts.dataflow.has_edge(n["a"], n["c"])
-        assert not facts.dataflow.has_edge(n["c"], n["a"])
-
-    def test_value_not_reaching_output(self):
-        graph = fx.Graph()
-        x = graph.placeholder("x")
-        dead = graph.call_method("sin", (x,))
-        graph.output(x)
-        facts = GraphFacts(fx.GraphModule(torch.nn.Module(), graph))
-        assert not facts.reaches_output(dead)
-        assert facts.is_returned(x)
-
 
 class TestInsertNode:
     """Inserted nodes get an example value from the graph's fake mode and the user's metadata."""
