@@ -285,6 +285,7 @@ class TestGraphFacts:
         assert facts.outside_users([n["a"], n["b"], n["c"]]) == [(n["b"], facts.output), (n["c"], n["d"])]
         assert facts.outside_users([n["a"], n["b"], n["c"], n["d"]], inside=[facts.output]) == []
 
+
 class TestInsertNode:
     """Inserted nodes get an example value from the graph's fake mode and the user's metadata."""
 
