@@ -19,7 +19,10 @@ With ``TRITON_INTERPRET=1`` (CPU tests) the kernels run in Triton's interpreter,
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -451,6 +454,29 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     )
 
 
+_FORCED_TILES: contextvars.ContextVar[tuple[dict | None, dict | None]] = contextvars.ContextVar(
+    "memopt_flash_attention_tiles", default=(None, None)
+)
+
+
+@contextlib.contextmanager
+def forced_tiles(forward: dict | None = None, backward: dict | None = None) -> Iterator[None]:
+    """Launch with these settings instead of ``_tiles``' choice: for tile sweeps and the numerics study.
+
+    forward: BLOCK_M, BLOCK_N, num_warps, num_stages; backward: PINNED, SWEPT, num_warps, num_stages."""
+    token = _FORCED_TILES.set((forward, backward))
+    try:
+        yield
+    finally:
+        _FORCED_TILES.reset(token)
+
+
+def _launch_tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, int], dict[str, int]]:
+    chosen = _tiles(block_d, dtype, extras)
+    forced = _FORCED_TILES.get()
+    return tuple(dict(f) if f is not None else c for f, c in zip(forced, chosen, strict=True))
+
+
 def _ieee(dtype: torch.dtype) -> bool:
     """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
     if interpreting():
@@ -498,7 +524,7 @@ def forward(
     n_kv_heads, len_k = k.shape[1], k.shape[2]
     out = q.new_empty((batch, n_heads, len_q, head_dim))
     lse = q.new_empty((batch, n_heads, len_q), dtype=torch.float32)
-    tiles, _ = _tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    tiles, _ = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
     grid = (triton.cdiv(len_q, tiles["BLOCK_M"]) * batch * n_heads,)
     if grid[0] == 0:
         return out, lse
@@ -531,7 +557,7 @@ def backward(
     batch, n_heads, len_q, head_dim = q.shape
     n_kv_heads, len_k = k.shape[1], k.shape[2]
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    _, tiles = _tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    _, tiles = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
     pinned, swept = tiles.pop("PINNED"), tiles.pop("SWEPT")
     flags = _flags(q, bias, causal, dropout_p)
     seed = seed if dropout_p > 0.0 else None

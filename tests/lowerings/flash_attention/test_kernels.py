@@ -216,15 +216,16 @@ def test_dropout_is_unbiased():
      ({"BLOCK_M": 16, "BLOCK_N": 32}, {"PINNED": 16, "SWEPT": 32})],
     ids=["tall", "wide"],
 )
-def test_unequal_tiles(monkeypatch, tiles):
+def test_unequal_tiles(tiles):
     """Block skipping and the masked/unmasked split hold when query and key tiles differ (as on CUDA)."""
-    monkeypatch.setattr(kernels, "_tiles", lambda block_d, dtype, extras: (dict(tiles[0]), dict(tiles[1])))
     b, hq, hk, tq, tk, d = 1, 2, 1, 37, 29, 16
     q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=7)
     bias = _position_bias(b, hq, tq, tk)
     seed, p = _seed(5), 0.25
     keep = kernels.dropout_keep_mask(seed, b, hq, tq, tk, p, DEVICE)
-    ours = _run(q, k, v, bias, grad_out, d**-0.5, True, p, seed)
+    with kernels.forced_tiles(*tiles):
+        assert kernels._launch_tiles(kernels._block_d(d), q.dtype, True) == tiles
+        ours = _run(q, k, v, bias, grad_out, d**-0.5, True, p, seed)
     _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, d**-0.5, True, keep, p))
 
 
