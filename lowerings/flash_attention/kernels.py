@@ -428,10 +428,11 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     for dK/dV) against SWEPT streamed rows. ``extras`` (a bias or dropout) adds a tile of bias values or Philox
     state to every step, so those launches get more warps or narrower streamed tiles.
 
-    Chosen from offline sm_90 compiles (ptxas -v; not timed on a GPU): the 16-bit kernels stay within 255
-    registers a thread with no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
-    (pinned + stages · 2 · streamed) · D elements, stays ≤ 160 KB of Hopper's 227 KB. D ≤ 64 uses the Triton
-    tutorial's tile shapes. fp32 at "highest" precision multiplies on the FMA units, which need small tiles.
+    16-bit without extras, D ≤ 128: the fastest settings of ``benchmarks/attention_tune.py`` on the H200
+    (BENCHMARKS.md). The others come from offline sm_90 compiles (ptxas -v): within 255 registers a thread with
+    no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
+    (pinned + stages · 2 · streamed) · D elements, within Hopper's 227 KB. fp32 at "highest"
+    precision multiplies on the FMA units, which need small tiles.
     """
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16}, {"PINNED": 16, "SWEPT": 16}
@@ -439,12 +440,18 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
         side = 32 if block_d <= 128 else 16
         fwd_m, fwd_n, pinned, swept = side, 32 if block_d <= 64 else 16, side, 16
         fwd_warps, bwd_warps, fwd_stages, bwd_stages = 4, 4, 2, 2
-    elif block_d <= 64:
+    elif extras and block_d <= 64:
         (fwd_m, fwd_n), (pinned, swept) = (128, 64), (128, 32)
-        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8 if extras else 4, 8, 3, 3
-    elif block_d <= 128:
-        (fwd_m, fwd_n), (pinned, swept) = (128, 32 if extras else 64), (128, 16 if extras else 32)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 8, 3, 3
+    elif extras and block_d <= 128:
+        (fwd_m, fwd_n), (pinned, swept) = (128, 32), (128, 16)
         fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 8, 3, 2
+    elif block_d <= 64:
+        (fwd_m, fwd_n), (pinned, swept) = (128, 64), (64, 64)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 4, 4, 3, 2
+    elif block_d <= 128:
+        (fwd_m, fwd_n), (pinned, swept) = (128, 128), (64, 64)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 4, 3, 2
     else:
         (fwd_m, fwd_n), (pinned, swept) = (64, 32 if extras else 64), (64, 16)
         fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 8, 2, 2

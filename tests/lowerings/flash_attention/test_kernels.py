@@ -241,4 +241,4 @@ def test_cuda_tiles_fit_shared_memory(monkeypatch, dtype):
         assert all(x >= 16 and x & (x - 1) == 0 for x in blocks)
         forward_bytes = (fwd["BLOCK_M"] + fwd["num_stages"] * 2 * fwd["BLOCK_N"]) * block_d * size
         backward_bytes = (2 * bwd["PINNED"] + bwd["num_stages"] * 2 * bwd["SWEPT"]) * block_d * size
-        assert max(forward_bytes, backward_bytes) <= 170 * 1024, (head_dim, forward_bytes, backward_bytes)
+        assert max(forward_bytes, backward_bytes) <= 227 * 1024, (head_dim, forward_bytes, backward_bytes)
