@@ -266,6 +266,13 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
     for member, output in zip(candidate.members, outputs, strict=True):
         member.node.replace_all_uses_with(output)
     erase_unused(candidate.nodes)
+    _prepare_estimate(candidate.key, tensor_value(candidate.input).device)
+
+
+def _prepare_estimate(key: str, device: torch.device) -> None:
+    from lowerings.wta_crs.state import prepare
+
+    prepare(key, device)
 
 
 def _period_arg(add, candidate: WtaMatch):

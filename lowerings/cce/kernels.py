@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from lowerings._library import interpreting, launchable
+from lowerings._triton import as_fp32
 
 # Columns of ∂loss/∂logits materialized per backward chunk (N × columns in the input dtype): at most
 # CHUNK_COLUMNS, fewer when N is large so that a chunk stays within CHUNK_BYTES (but at least MIN_COLUMNS).
@@ -87,6 +88,7 @@ def _lse_forward_kernel(
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (row tile, vocabulary slice): running max, Σexp, target logit and Σlogits, all fp32."""
+    softcap = as_fp32(softcap)
     pid = tl.program_id(0)
     row_tiles = tl.cdiv(n_rows, BLOCK_N)
     split = pid // row_tiles
@@ -135,6 +137,7 @@ def _grad_logits_kernel(
     ∂loss/∂z = softmax(z) − (1 − ε)·onehot − ε/V and ∂lse/∂z = softmax(z); through the softcap
     z = c·tanh(x/c) both are multiplied by 1 − tanh²(x/c).
     """
+    smoothing_keep, smoothing_spread, softcap = as_fp32(smoothing_keep), as_fp32(smoothing_spread), as_fp32(softcap)
     col_tiles = tl.cdiv(chunk_cols, BLOCK_V)
     pid = tl.program_id(0)
     rows = (pid // col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)

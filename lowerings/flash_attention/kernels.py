@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from lowerings._library import interpreting, launchable
+from lowerings._triton import as_fp32
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -209,6 +210,7 @@ def _forward_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see."""
+    qk_scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(dropout_p), as_fp32(keep_scale)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     K += b * stride_kb + kv * stride_kh
@@ -298,6 +300,7 @@ def _dq_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dQ of one block of queries (pinned with dO, lse and delta), streaming the key blocks it can see."""
+    qk_scale, scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(scale), as_fp32(dropout_p), as_fp32(keep_scale)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     do = _load_rows(GradOut + b * stride_gb + h * stride_gh, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
@@ -366,6 +369,7 @@ def _dkdv_kernel(
 ):
     """dK and dV of one block of keys of one (batch, kv head): pinned K/V, swept over the query blocks of every
     query head of the group, so the GQA sum happens in registers."""
+    qk_scale, scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(scale), as_fp32(dropout_p), as_fp32(keep_scale)
     k_blocks = tl.cdiv(len_k, BLOCK_N)
     pid = tl.program_id(0)
     start_n = (pid % k_blocks) * BLOCK_N  # causal: the first key blocks are the longest

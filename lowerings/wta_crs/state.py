@@ -4,6 +4,11 @@ The estimate steers sampling probabilities only (never the expected gradient), s
 an optimizer's step counter, rather than a graph input: the backward op updates it in place and the next
 step's forward reads it. Keys name a group of linears (their weights' graph names), so recompiles of the same
 model share one estimate.
+
+Under CUDA graphs (``mode="reduce-overhead"``) the captured kernels read and write the estimate at a fixed
+address, and a tensor first allocated during the warm-up run would land in the graphs' private memory pool.
+So the rule creates each estimate when it rewrites the graph (``prepare``), and ``reset`` zeroes estimates in
+place instead of dropping them.
 """
 
 from __future__ import annotations
@@ -17,13 +22,25 @@ _ESTIMATES: dict[tuple[str, torch.device], GradNormEstimate] = {}
 
 def estimate(key: str, device: torch.device) -> GradNormEstimate:
     """The estimate for ``key`` on ``device``, created empty (uniform) on first use."""
-    slot = (key, torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    slot = (key, device)
     if slot not in _ESTIMATES:
         _ESTIMATES[slot] = GradNormEstimate.empty(device)
     return _ESTIMATES[slot]
 
 
+def prepare(key: str, device: torch.device) -> None:
+    """Create the estimate now, at compile time, outside any CUDA-graph capture or its memory pool."""
+    if torch.device(device).type != "meta":
+        estimate(key, device)
+
+
 def reset(key: str | None = None) -> None:
-    """Forget the estimates of ``key`` (all when None): the next step samples by activation norms alone."""
-    for slot in [s for s in _ESTIMATES if key is None or s[0] == key]:
-        del _ESTIMATES[slot]
+    """Forget the estimates of ``key`` (all when None): the next step samples by activation norms alone.
+
+    Zeroed in place, so kernels captured in a CUDA graph keep reading the live estimate."""
+    for slot, found in _ESTIMATES.items():
+        if key is None or slot[0] == key:
+            found.values.zero_()
