@@ -48,8 +48,16 @@ class Tril:
 
 def causal_kind(node: Any, real_value: RealValue) -> str | None:
     """``ALLOWED``, ``FUTURE`` or None for a boolean mask node."""
-    value = _evaluate(node, real_value)
+    value = _as_boolean(node, _evaluate(node, real_value))
     return value if value in (ALLOWED, FUTURE) else None
+
+
+def _as_boolean(node: Any, value):
+    """A boolean tril(ones) is the set of allowed pairs itself."""
+    known = tensor_value(node) if isinstance(node, fx.Node) else None
+    if isinstance(value, Tril) and known is not None and known.dtype == torch.bool:
+        return ALLOWED
+    return value
 
 
 def _evaluate(node: Any, real_value: RealValue):
@@ -66,7 +74,8 @@ def _evaluate(node: Any, real_value: RealValue):
     if is_call(node, torch.tril) or is_method(node, "tril"):
         return Tril() if _is_ones(node.args[0]) and _diagonal(node) == 0 else None
     if is_call(node, operator.invert, torch.logical_not) or is_method(node, "logical_not", "bitwise_not"):
-        return {ALLOWED: FUTURE, FUTURE: ALLOWED}.get(_evaluate(node.args[0], real_value))
+        inner = _as_boolean(node.args[0], _evaluate(node.args[0], real_value))
+        return {ALLOWED: FUTURE, FUTURE: ALLOWED}.get(inner)
     if is_call(node, torch.arange):
         return _arange(node)
     if is_call(node, operator.add, torch.add) and len(node.args) == 2:

@@ -205,6 +205,9 @@ def _before_softmax(scores: fx.Node, facts: GraphFacts):
         if factor is not None and scale == 1.0:
             node, scale = factor
             continue
+        if _is_fp32_upcast(node):  # softmax(scores.float()): the op's softmax is fp32 anyway
+            node = node.args[0]
+            continue
         qk = _qk_product(node)
         if qk is None:
             return None
@@ -239,6 +242,20 @@ def _mask_step(node: fx.Node, facts: GraphFacts):
             return scores, {"causal": True, "mask_nodes": (additive,)}
         return scores, {"bias": additive}
     return None
+
+
+def _is_fp32_upcast(node: fx.Node) -> bool:
+    """``x.float()``, ``x.to(torch.float32)`` or ``x.type(torch.float32)`` of a floating tensor."""
+    if not (node.args and isinstance(node.args[0], fx.Node)) or tensor_value(node.args[0]) is None:
+        return False
+    if not tensor_value(node.args[0]).is_floating_point():
+        return False
+    if is_method(node, "float"):
+        return True
+    if is_method(node, "to", "type"):
+        dtype = node.kwargs.get("dtype", node.args[1] if len(node.args) == 2 else None)
+        return dtype == torch.float32 and set(node.kwargs) <= {"dtype"}
+    return False
 
 
 def _masks_out(fill: Any) -> bool:

@@ -78,6 +78,21 @@ class GraphModule(torch.nn.Module):
         ex = _check(fn, *_qkv())
         self.assertEqual(_attention_records(ex)[0].params["causal"], True)
 
+    def test_upcast_before_softmax_and_inverted_tril(self):
+        """``softmax(scores.float()).to(q.dtype)`` with ``masked_fill(~tril, -inf)``, as benchmark code writes it."""
+
+        def fn(q, k, v, upcast):
+            scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+            scores = upcast(scores.masked_fill(~mask, float("-inf")))
+            return torch.softmax(scores, dim=-1).to(q.dtype) @ v
+
+        for upcast in (lambda s: s.float(), lambda s: s.to(torch.float32), lambda s: s.type(torch.float32)):
+            ex = _check(lambda q, k, v, upcast=upcast: fn(q, k, v, upcast), *_qkv())
+            (record,) = _attention_records(ex)
+            self.assertTrue(record.applied)
+            self.assertEqual(record.params["causal"], True)
+
     def test_arange_comparison_where_finfo_min(self):
         """GPT-2 style ``where(causal, scores, finfo.min)`` with the mask built from arange comparisons."""
 
