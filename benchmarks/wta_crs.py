@@ -183,11 +183,13 @@ def main(argv: list[str] | None = None) -> list[Result]:
     chosen = backends([float(b) for b in args.budgets.split(",") if b])
     if args.variants:
         chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
-    results = [
-        measure(name, variant, backend, args, device)
-        for name in args.models.split(",")
-        for variant, backend in chosen.items()
-    ]
+    logging.getLogger("fxpass").setLevel(logging.WARNING)  # the per-graph decision tables: see the debug dir
+    results = []
+    for name in args.models.split(","):
+        for variant, backend in chosen.items():
+            results.append(measure(name, variant, backend, args, device))
+            with (args.out / "wta_crs.partial.jsonl").open("a") as partial:  # survives a time limit
+                partial.write(json.dumps(dataclasses.asdict(results[-1])) + "\n")
     header = (
         f"WTA-CRS fine-tuning step, {time.strftime('%Y-%m-%d')}, "
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
