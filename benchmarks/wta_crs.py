@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import statistics
@@ -63,10 +64,14 @@ def batch(vocab: int, size: int, seq: int, masked_lm: bool, device, generator):
     return ids, labels
 
 
-def backends(budgets: list[float]) -> dict[str, object]:
-    found: dict[str, object] = {"torch.compile": "inductor", "memopt": fxpass.MemoptBackend()}
+def backends(budgets: list[float], mode: str | None = None) -> dict[str, object]:
+    """Variant name → backend; ``mode`` (e.g. "reduce-overhead": CUDA graphs) applies to every variant."""
+    found: dict[str, object] = {
+        "torch.compile": functools.partial(torch.compile, mode=mode),
+        "memopt": fxpass.MemoptBackend(mode=mode),
+    }
     for budget in budgets:
-        found[f"memopt + WTA-CRS {budget}"] = fxpass.MemoptBackend(options={"wta_crs_budget": budget})
+        found[f"memopt + WTA-CRS {budget}"] = fxpass.MemoptBackend(mode=mode, options={"wta_crs_budget": budget})
     return found
 
 
@@ -93,7 +98,8 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     vocab = model.config.vocab_size
-    step = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend=backend)
+    loss_of = lambda ids, labels: model(input_ids=ids, labels=labels).loss  # noqa: E731
+    step = backend(loss_of) if isinstance(backend, functools.partial) else torch.compile(loss_of, backend=backend)
     generator = torch.Generator().manual_seed(0)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--budgets", default="0.3,0.1")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--mode", default=None, help='torch.compile mode for every variant, e.g. "reduce-overhead"')
     parser.add_argument("--tiny", action="store_true", help="two-layer models: check the script, not the numbers")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    chosen = backends([float(b) for b in args.budgets.split(",") if b])
+    chosen = backends([float(b) for b in args.budgets.split(",") if b], args.mode)
     if args.variants:
         chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
     logging.getLogger("fxpass").setLevel(logging.WARNING)  # the per-graph decision tables: see the debug dir
