@@ -12,6 +12,7 @@ it replaces exact weight gradients by unbiased estimates (Liu et al., NeurIPS 20
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -233,6 +234,8 @@ def memory_model(candidate: WtaMatch, budget: float) -> shapes.MemoryModel:
 
 
 def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
+    from lowerings.wta_crs.op import sample
+
     graph = gm.graph
     first = min(candidate.nodes, key=_position_in(graph))
     fake_mode = fake_mode_of([candidate.input, first])
@@ -249,38 +252,51 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
             bias_of.append(len(biases) if member.bias is not None else -1)
             if member.bias is not None:
                 biases.append(cast_to(add, member.bias, dtype))
+        x = cast_to(add, candidate.input, dtype)
+        estimate = _estimate_node(gm, candidate, fake_mode, first)
         period = _period_arg(add, candidate)
+        tokens = add("call_method", "flatten", add("call_method", "detach", x), 0, -2)
+        drawn = add("call_function", sample, tokens, estimate, float(config.wta_crs_budget), period,
+                    config.wta_crs_winners)
+        index, rows = (add("call_function", operator.getitem, drawn, i) for i in range(2))
         fused = add(
             "call_function",
             torch.ops.memopt.wta_crs_linears.default,
-            cast_to(add, candidate.input, dtype),
-            weights,
-            biases,
-            bias_of,
-            float(config.wta_crs_budget),
-            period,
-            candidate.key,
-            config.wta_crs_winners,
+            x, weights, biases, bias_of, index, rows, estimate, period,
         )
         outputs = [add("call_function", operator.getitem, fused, i) for i in range(len(candidate.members))]
     for member, output in zip(candidate.members, outputs, strict=True):
         member.node.replace_all_uses_with(output)
     erase_unused(candidate.nodes)
-    _prepare_estimate(candidate.key, tensor_value(candidate.input).device)
 
 
-def _prepare_estimate(key: str, device: torch.device) -> None:
+def _estimate_node(gm: fx.GraphModule, candidate: WtaMatch, fake_mode, first: fx.Node) -> fx.Node:
+    """The group's gradient-norm estimate as a buffer of the graph module, so that AOTAutograd lifts it as an
+    input (the backward updates it in place) and CUDA graphs read it at a fixed address. Created now, outside
+    any capture; recompiles of the same model reuse it (``lowerings/wta_crs/state.py``)."""
     from lowerings.wta_crs.state import prepare
 
-    prepare(key, device)
+    values = prepare(candidate.key, tensor_value(candidate.input).device)
+    name = next(f"memopt_wta_estimate_{i}" for i in itertools.count() if not hasattr(gm, f"memopt_wta_estimate_{i}"))
+    gm.register_buffer(name, values)
+    if isinstance(getattr(gm, "_param_name_to_source", None), dict):
+        # AOTAutograd maps each lifted parameter or buffer of a Dynamo graph to where Dynamo found it; this one
+        # was never in user code, so it gets a source of its own (read only to deduplicate inputs).
+        from torch._dynamo.source import ConstantSource
+
+        gm._param_name_to_source[name] = ConstantSource(name)
+    node = gm.graph.get_attr(name)
+    node.meta.update({k: v for k, v in first.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    node.meta["example_value"] = fake_mode.from_tensor(values, static_shapes=True)
+    return node
 
 
 def _period_arg(add, candidate: WtaMatch):
-    """Sequence length for positions: 0 lets the op read x.shape[-2]; otherwise a constant or a size node."""
-    if candidate.period_source is candidate.input:
-        return 0
-    length = tensor_value(candidate.period_source).shape[-2]
-    constant = shapes.constant(length)
+    """Sequence length for positions: a constant, or a size node when it is symbolic (1 for flat tokens)."""
+    source = tensor_value(candidate.period_source)
+    if source.dim() < 3:
+        return 1
+    constant = shapes.constant(source.shape[-2])
     return constant if constant is not None else add("call_method", "size", candidate.period_source, -2)
 
 

@@ -71,7 +71,7 @@ class GradNormEstimate:
 
 def positions_of(rows: int, period: int, device: torch.device) -> torch.Tensor:
     """Position of each flattened row along its sequence (row i of [B, L] tokens is at i mod L)."""
-    return (torch.arange(rows, device=device) % max(period, 1)).clamp_max(MAX_POSITIONS - 1)
+    return (torch.arange(rows, device=device) % torch.sym_max(period, 1)).clamp_max(MAX_POSITIONS - 1)
 
 
 def sampling_probabilities(row_norms: torch.Tensor, grad_estimate: torch.Tensor) -> torch.Tensor:

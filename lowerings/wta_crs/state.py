@@ -7,8 +7,8 @@ model share one estimate.
 
 Under CUDA graphs (``mode="reduce-overhead"``) the captured kernels read and write the estimate at a fixed
 address, and a tensor first allocated during the warm-up run would land in the graphs' private memory pool.
-So the rule creates each estimate when it rewrites the graph (``prepare``), and ``reset`` zeroes estimates in
-place instead of dropping them.
+So the rule creates each estimate when it rewrites the graph (``prepare``) and registers it as a buffer of the
+graph module; ``reset`` zeroes estimates in place instead of dropping them.
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ def estimate(key: str, device: torch.device) -> GradNormEstimate:
     return _ESTIMATES[slot]
 
 
-def prepare(key: str, device: torch.device) -> None:
-    """Create the estimate now, at compile time, outside any CUDA-graph capture or its memory pool."""
-    if torch.device(device).type != "meta":
-        estimate(key, device)
+def prepare(key: str, device: torch.device) -> torch.Tensor:
+    """The estimate's values, created now: at compile time, outside any CUDA-graph capture or its memory pool."""
+    return estimate(key, device).values
 
 
 def reset(key: str | None = None) -> None:

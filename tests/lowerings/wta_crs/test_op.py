@@ -7,9 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowerings.wta_crs import reference, reset_estimates
-
-OP = torch.ops.memopt.wta_crs_linears.default
+from lowerings.wta_crs import reference, reset_estimates, sampled_linears, state
+from lowerings.wta_crs.op import sample
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +39,7 @@ def _weight_grads(x, weight, grad_out, budget, draws, winners=True, key="test", 
     for _ in range(draws):
         if reset_each:
             reset_estimates(key)
-        out = OP(x, [w], [], [-1], budget, 0, key, winners)[0]
+        out = sampled_linears(x, [w], [], [-1], budget, 0, key, winners)[0]
         (grad,) = torch.autograd.grad(out, [w], grad_out)
         estimates.append(grad)
     return torch.stack(estimates)
@@ -57,8 +56,9 @@ def test_outputs_input_and_bias_gradients_are_exact():
     x = torch.randn(4, 25, 12, generator=gen, dtype=torch.float64, requires_grad=True)
     w1, w2 = (torch.randn(n, 12, generator=gen, dtype=torch.float64, requires_grad=True) for n in (7, 5))
     b2 = torch.randn(5, generator=gen, dtype=torch.float64, requires_grad=True)
-    y1, y2, index, rows = OP(x, [w1, w2], [b2], [-1, 0], 0.3, 0, "exact", True)
+    y1, y2 = sampled_linears(x, [w1, w2], [b2], [-1, 0], 0.3, 0, "exact", True)
     assert torch.equal(y1, F.linear(x, w1)) and torch.equal(y2, F.linear(x, w2, b2))
+    index, rows = sample(x.detach().reshape(-1, 12), state.estimate("exact", x.device).values, 0.3, 25, True)
     assert index.shape == (30,) and rows.shape == (30, 12)  # k = ceil(0.3 · 100)
     g1, g2 = torch.randn_like(y1), torch.randn_like(y2)
     grad_x, grad_b = torch.autograd.grad([y1, y2], [x, b2], [g1, g2])
@@ -130,7 +130,8 @@ def test_winner_count_follows_the_adaptive_rule():
 
 
 def test_saved_tensors_are_the_sample():
-    """Autograd keeps k rows and k indices (plus the parameters), never the whole input."""
+    """Autograd keeps k rows and k indices (plus the parameters and the group's persistent gradient-norm
+    estimate), never the whole input."""
     x = torch.randn(8, 50, 32, requires_grad=True)
     weights = [torch.nn.Parameter(torch.randn(n, 32)) for n in (16, 16, 16)]
     saved = []
@@ -140,8 +141,9 @@ def test_saved_tensors_are_the_sample():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        OP(x, weights, [], [-1, -1, -1], 0.1, 0, "saved", True)
+        sampled_linears(x, weights, [], [-1, -1, -1], 0.1, 0, "saved", True)
     parameters = {w.untyped_storage().data_ptr() for w in weights}
+    parameters.add(state.estimate("saved", x.device).values.untyped_storage().data_ptr())
     activations = [t for t in saved if t.untyped_storage().data_ptr() not in parameters]
     k = 40  # ceil(0.1 · 400), shared by the three linears
     assert sorted(tuple(t.shape) for t in activations) == [(k,), (k, 32)]
@@ -175,13 +177,14 @@ def test_gradient_norm_estimate_tracks_positions():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck(dtype):
+    """The op holds no randomness (the sample is an input), so every opcheck test applies, AOT dispatch too."""
     x = torch.randn(3, 20, 8, dtype=dtype, requires_grad=True)
     w = torch.randn(6, 8, dtype=dtype, requires_grad=True)
     b = torch.randn(6, dtype=dtype, requires_grad=True)
-    # Draws are random, so the checks that compare two runs' values are left out.
-    torch.library.opcheck(
-        OP, (x, [w], [b], [0], 0.5, 0, "opcheck", True), test_utils=("test_schema", "test_faketensor")
-    )
+    estimate = torch.zeros(reference.MAX_POSITIONS)
+    index, rows = sample(x.detach().reshape(-1, 8), estimate, 0.5, 20, True)
+    torch.library.opcheck(torch.ops.memopt.wta_crs_linears.default, (x, [w], [b], [0], index, rows, estimate, 20))
+    torch.library.opcheck(torch.ops.memopt.wta_crs_record_.default, (estimate, torch.rand(60), 20))
 
 
 def test_kernels_match_reference():

@@ -35,3 +35,41 @@ def test_reset_zeroes_in_place():
     again = state.estimate("test:reset", torch.device("cpu"))
     assert again.values.data_ptr() == address
     assert not again.values.any()
+
+
+def test_compiled_backward_updates_the_estimate_in_place():
+    """Under Inductor the sampling and the backward are compiled; the backward still writes this step's
+    gradient norms into the estimate buffer (AOTAutograd lifts it as an input and applies the mutation)."""
+    reset_estimates()
+    torch.manual_seed(0)
+    block = Block()
+    backend = fxpass.MemoptBackend(options=ON | {"force": True})
+    step = torch.compile(lambda x: block(x).square().sum(), backend=backend)
+    x = torch.randn(2, 12, 16, requires_grad=True)
+    step(x).backward()
+    estimates = [found.values for (key, _), found in state._ESTIMATES.items() if key.startswith("wta_crs:")]
+    assert estimates and all(values[:12].gt(0).all() and not values[12:].any() for values in estimates)
+    first = [values.clone() for values in estimates]
+    step(x).backward()
+    assert all(not torch.equal(a, b) for a, b in zip(first, estimates, strict=True))  # the running average moved
+
+
+def test_compiled_draws_follow_the_global_seed():
+    torch.manual_seed(0)
+    block = Block()
+    step = torch.compile(lambda x: block(x).square().sum(), backend=fxpass.MemoptBackend(options=ON | {"force": True}))
+    x = torch.randn(2, 12, 16, requires_grad=True)
+
+    def weight_grads(seed: int) -> list[torch.Tensor]:
+        reset_estimates()
+        torch.manual_seed(seed)
+        grads = []
+        for _ in range(2):
+            block.zero_grad(set_to_none=True)
+            step(x).backward()
+            grads.append(block.fc.weight.grad.clone())
+        return grads
+
+    first, again, other = weight_grads(1), weight_grads(1), weight_grads(2)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], other[1])
