@@ -6,6 +6,10 @@ import gc
 
 import torch
 
+from fxpass.report import error_note
+
+__all__ = ["error_note", "release_memory"]
+
 
 def release_memory() -> None:
     """Forget compiled graphs and free cached blocks, so one measurement's peak never leaks into the next."""
@@ -13,8 +17,3 @@ def release_memory() -> None:
     torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def error_note(error: BaseException) -> str:
-    """A peer or backend that fails is reported in its table row, not allowed to stop the comparison."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:100]}"

@@ -18,8 +18,8 @@ import torch.fx as fx
 
 from fxpass.cache import SOURCE_KEYED_PASS
 from fxpass.config import Config, ConfigError
-from fxpass.report import GraphReport, publish, tracing_enabled
-from fxpass.rewrite import rewrite_graph
+from fxpass.report import GraphReport, error_note, publish, tracing_enabled
+from fxpass.rewrite import copy_graph, rewrite_graph, undone, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +75,35 @@ class MemoptBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         keep_code = self.keep_code or bool(self.config.debug_dir) or tracing_enabled()
+        original = copy_graph(gm.graph)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
-        if self.sink is not None:
-            report.graph_module = gm
-            self.sink(report)
-        publish(report, self.config.debug_dir)
-        return self._compile(gm, example_inputs)
+        try:
+            return self._compile_or_fall_back(gm, original, report, example_inputs)
+        finally:
+            if self.sink is not None:
+                report.graph_module = gm
+                self.sink(report)
+            publish(report, self.config.debug_dir)
+
+    def _compile_or_fall_back(
+        self, gm: fx.GraphModule, original: fx.Graph, report: GraphReport, example_inputs: list[Any]
+    ) -> Callable:
+        """Compile the rewritten graph; if that raises, compile the graph as Dynamo captured it and warn.
+
+        A kernel that fails to build for this GPU, say, must not stop the user's training (``strict`` raises).
+        Inductor compiles the backward at the first backward call, so a failure there is not caught here."""
+        try:
+            return self._compile(gm, example_inputs)
+        except Exception as error:
+            if self.config.strict or not report.applied:
+                raise
+            reason = f"compiling the rewritten graph failed ({error_note(error)}); compiled it without the rewrites"
+            log.debug("memopt: compiling the rewritten graph failed", exc_info=True)
+            warn_once("backend", reason)
+            report.records = [undone(r, f"undone: {reason}") for r in report.records]
+            gm.graph = original
+            gm.recompile()
+            return self._compile(gm, example_inputs)
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         inner = self.config.inner_compiler

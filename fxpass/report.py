@@ -51,6 +51,12 @@ class RewriteRecord:
         return dataclasses.asdict(self) | {"nodes": list(self.nodes)}
 
 
+def error_note(error: BaseException) -> str:
+    """An exception as one short line, for a report row or a warning."""
+    first = (str(error).splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first[:160]}"
+
+
 @dataclasses.dataclass
 class GraphReport:
     """The records of one compiled graph, with its code before and after the rewrites when kept."""

@@ -26,7 +26,7 @@ _WARNED: set[tuple[str, str]] = set()
 
 
 class RewriteFailedWarning(UserWarning):
-    """A rule raised; memopt left the graph as it was for that rule."""
+    """A rule raised, or the rewritten graph failed to compile; memopt left the graph as it was."""
 
 
 def rewrite_graph(
@@ -47,7 +47,7 @@ def rewrite_graph(
 
 
 def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config, example_inputs: Sequence[Any]) -> list[RewriteRecord]:
-    saved_graph = _copy_graph(gm.graph)
+    saved_graph = copy_graph(gm.graph)
     records: list[RewriteRecord] = []
     try:
         for candidate in rule.match(GraphFacts(gm, example_inputs)):
@@ -61,17 +61,18 @@ def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config, example_inputs: Se
             raise
         gm.graph = saved_graph
         reason = f"rule failed and was skipped: {type(error).__name__}: {error}"
-        _warn_once(rule.name, reason)
+        warn_once(rule.name, reason)
         log.debug("memopt rule %s failed", rule.name, exc_info=True)
-        records = [_undone(r) for r in records]
+        records = [undone(r, "undone: the rule failed later on this graph") for r in records]
         records.append(RewriteRecord(rule.name, False, reason, (), None, None, None, None, {}))
     return records
 
 
-def _undone(record: RewriteRecord) -> RewriteRecord:
+def undone(record: RewriteRecord, reason: str) -> RewriteRecord:
+    """``record`` marked as not applied after all, with why."""
     if not record.applied:
         return record
-    return dataclasses.replace(record, applied=False, reason="undone: the rule failed later on this graph")
+    return dataclasses.replace(record, applied=False, reason=reason)
 
 
 def _record(rule: str, candidate, decision: Decision) -> RewriteRecord:
@@ -90,7 +91,7 @@ def _record(rule: str, candidate, decision: Decision) -> RewriteRecord:
     )
 
 
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
+def copy_graph(graph: fx.Graph) -> fx.Graph:
     """A copy to restore if a rule fails halfway (nodes and their meta; example values are shared)."""
     copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
     copy._codegen = graph._codegen
@@ -104,7 +105,7 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     return copy
 
 
-def _warn_once(rule: str, reason: str) -> None:
+def warn_once(rule: str, reason: str) -> None:
     if (rule, reason) in _WARNED:
         return
     _WARNED.add((rule, reason))

@@ -315,6 +315,44 @@ class TestFailingRule:
             compiled(*_batch())
 
 
+class TestFailingCompile:
+    """The rewritten graph fails to compile (a kernel that does not build, say): memopt compiles the graph as
+    Dynamo captured it, warns once, and reports the rewrites as undone; strict re-raises."""
+
+    @pytest.fixture(autouse=True)
+    def _fresh_warnings(self, monkeypatch):
+        monkeypatch.setattr(fxpass.rewrite, "_WARNED", set())
+
+    @staticmethod
+    def _refusing_backend(**options):
+        class Refusing(fxpass.MemoptBackend):
+            def _compile(self, gm, example_inputs):
+                if any(str(node.target).startswith("memopt.") for node in gm.graph.nodes):
+                    raise RuntimeError("kernel failed to build")
+                return super()._compile(gm, example_inputs)
+
+        return Refusing(options={**FAST, "strict": False, **options})
+
+    def test_falls_back_to_the_captured_graph(self):
+        weight, step = _step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _check_against_eager(torch.compile(step, backend=self._refusing_backend()), step, weight, *_batch())
+        messages = [str(w.message) for w in caught if issubclass(w.category, fxpass.RewriteFailedWarning)]
+        assert messages == [
+            "memopt: backend: compiling the rewritten graph failed (RuntimeError: kernel failed to build); "
+            "compiled it without the rewrites"
+        ]
+        report = fxpass.reports()[-1]
+        assert not report.applied
+        assert [r.reason.startswith("undone: compiling the rewritten graph failed") for r in report.records] == [True]
+
+    def test_strict_reraises(self):
+        _, step = _step()
+        with pytest.raises(BackendCompilerFailed, match="kernel failed to build"):
+            torch.compile(step, backend=self._refusing_backend(strict=True))(*_batch())
+
+
 class TestDisable:
     """A disabled rule does not run: no rewrite, no records, eager's result."""
 
