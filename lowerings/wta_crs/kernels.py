@@ -1,12 +1,12 @@
-"""Triton kernels of ``memopt::wta_crs_linears`` (CUDA): row norms and the fused gather-and-weight of samples."""
+"""Triton kernels of WTA-CRS sampling for eager CUDA calls: row norms and the fused gather-and-weight of samples.
+
+Inside compiled graphs Inductor generates the equivalent kernels from the PyTorch reference (``op.py``)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from lowerings._library import launchable
 
 
 @triton.jit
@@ -43,7 +43,7 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     """‖x_i‖₂ in fp32 for each row of a 2-D tensor whose rows are contiguous."""
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    launchable(_row_norms_kernel)[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1]))
+    _row_norms_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1]))
     return out
 
 
@@ -51,7 +51,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> t
     """x[index] · weight[:, None] in x's dtype, contiguous [k, D]."""
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty((index.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    launchable(_gather_rows_kernel)[(index.numel(),)](
+    _gather_rows_kernel[(index.numel(),)](
         x, index, weight.float().contiguous(), out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1])
     )
     return out

@@ -32,7 +32,9 @@ if HAS_TRITON:
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    return HAS_TRITON and on_cuda(x) and not interpreting()
+    """Hand-written kernels for eager CUDA calls. While a graph is traced, the PyTorch reference goes in
+    instead, and Inductor fuses it with its neighbours into kernels of its own."""
+    return HAS_TRITON and on_cuda(x) and not interpreting() and torch._guards.detect_fake_mode((x,)) is None
 
 
 def _row_norms(x: torch.Tensor) -> torch.Tensor:
