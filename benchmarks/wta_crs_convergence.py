@@ -2,12 +2,15 @@
 
     python benchmarks/wta_crs_convergence.py                     # CPU is enough: a small GPT, 300 steps
     python benchmarks/wta_crs_convergence.py --steps 100 --seeds 0
+    python benchmarks/wta_crs_convergence.py --pretrain-steps 300 --steps 200 --lr 5e-4   # fine-tuning
 
 Trains the nanoGPT-style model of ``examples/gpt.py`` on the Python standard library's sources (the demo's
 data and tokenizer) under ``torch.compile(backend=memopt)`` with: exact gradients (WTA-CRS off), WTA-CRS at
 budgets 0.3 and 0.1, and plain column-row sampling (CRS, no winners) at 0.3 — same initial weights and the
-same batches per seed. Writes per-step losses to ``wta_crs_convergence.json``, a markdown summary and a plot
-(``.png``, with matplotlib) into ``--out``.
+same batches per seed. With ``--pretrain-steps P`` it measures fine-tuning instead, as the paper does: per
+seed one exact pre-training run of P steps on the first half of the training text, then every variant
+fine-tunes that checkpoint on the second half. Writes per-step losses to ``wta_crs_convergence.json``, a
+markdown summary and a plot (``.png``, with matplotlib) into ``--out``.
 """
 
 from __future__ import annotations
@@ -39,14 +42,41 @@ VARIANTS = {
 }
 
 
-def train(variant: str, seed: int, data, args, device: torch.device) -> dict:
+def pretrained(seed: int, data, args, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """Weights after ``--pretrain-steps`` exact steps on the first half of the training text (None: no
+    pre-training, every variant starts from the same random init)."""
+    if not args.pretrain_steps:
+        return None
+    torch.manual_seed(seed)
+    model = GPT(_config(data, args)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.pretrain_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    step = torch.compile(lambda x, y: model(x, y)[1], backend=fxpass.MemoptBackend())
+    batches = torch.Generator().manual_seed(2000 + seed)
+    text = data.train[: len(data.train) // 2]
+    for _ in range(args.pretrain_steps):
+        x, y = get_batch(text, args.batch_size, args.seq_len, batches, device)
+        step(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def _config(data, args) -> GPTConfig:
+    return GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
+                     n_head=args.n_head, n_embd=args.n_embd)
+
+
+def train(variant: str, seed: int, data, args, device: torch.device, start_from=None) -> dict:
     """One run: per-step training loss, validation loss at the end, seconds."""
     torch.manual_seed(seed)
     reset_estimates()
     fxpass.clear_reports()
-    config = GPTConfig(vocab_size=data.tokenizer.vocab_size, block_size=args.seq_len, n_layer=args.n_layer,
-                       n_head=args.n_head, n_embd=args.n_embd)
-    model = GPT(config).to(device)
+    model = GPT(_config(data, args)).to(device)
+    if start_from is not None:
+        model.load_state_dict(start_from)
+    text = data.train if start_from is None else data.train[len(data.train) // 2 :]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     # Every eligible linear, whatever the memory model says at this toy size: the question here is the estimator.
     options = {"wta_crs_min_tokens": 64, "min_saved_bytes": 0, **VARIANTS[variant]}
@@ -55,7 +85,7 @@ def train(variant: str, seed: int, data, args, device: torch.device) -> dict:
     losses = []
     start = time.perf_counter()
     for _ in range(args.steps):
-        x, y = get_batch(data.train, args.batch_size, args.seq_len, batches, device)
+        x, y = get_batch(text, args.batch_size, args.seq_len, batches, device)
         loss = step(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -103,8 +133,9 @@ def plot(runs: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for index, variant in enumerate(VARIANTS):
         for run in (r for r in runs if r["variant"] == variant):
-            smooth = torch.tensor(run["losses"]).unfold(0, 10, 1).mean(1)
-            ax.plot(range(10, 10 + len(smooth)), smooth, color=f"C{index}", alpha=0.7,
+            window = min(10, len(run["losses"]))
+            smooth = torch.tensor(run["losses"]).unfold(0, window, 1).mean(1)
+            ax.plot(range(window, window + len(smooth)), smooth, color=f"C{index}", alpha=0.7,
                     label=variant if run["seed"] == runs[0]["seed"] else None)
     ax.set(xlabel="step", ylabel="training loss (10-step mean)", title="WTA-CRS vs exact weight gradients")
     ax.legend()
@@ -124,6 +155,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--pretrain-steps", type=int, default=0, help="exact pre-training first: measure fine-tuning")
+    parser.add_argument("--pretrain-lr", type=float, default=2e-3)
     parser.add_argument("--data-mb", type=float, default=4.0)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -133,13 +166,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     data = build_dataset(args.data_mb, args.vocab_size)
-    runs = [
-        train(variant, int(seed), data, args, device)
-        for seed in args.seeds.split(",")
-        for variant in args.variants.split(",")
-    ]
+    runs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        start_from = pretrained(seed, data, args, device)
+        runs += [train(variant, seed, data, args, device, start_from) for variant in args.variants.split(",")]
+    regime = f"fine-tuning after {args.pretrain_steps} exact steps" if args.pretrain_steps else "from random init"
     text = (
-        f"WTA-CRS convergence, {time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; GPT "
+        f"WTA-CRS convergence ({regime}), {time.strftime('%Y-%m-%d')}, {device}, torch {torch.__version__}; GPT "
         f"{args.n_layer}×{args.n_embd}, vocabulary {data.tokenizer.vocab_size}, "
         f"batch {args.batch_size}×{args.seq_len}, {args.steps} steps, seeds {args.seeds}\n\n" + summary(runs)
     )
