@@ -1,13 +1,14 @@
 """Attention subgraphs become ``memopt.flash_attention``: no B·H·Tq·Tk scores or probabilities are kept.
 
 The pattern is found from ``softmax(dim=-1)`` outwards: before it, an optional mask, an optional scale and
-``q @ kᵀ``; after it, an optional cast and dropout, then ``@ v``. Forms covered: nanoGPT (a registered ``tril``
-buffer with ``masked_fill(-inf)``), HF transformers' eager attention (Llama/Mistral/Qwen2 with ``repeat_kv``
-grouped-query heads and the masking utilities' additive mask, GPT-2, BERT's additive padding mask), scaling by
-multiplication or division (or none, as in T5), ``torch.where(mask, scores, finfo.min)`` and softmax with a
-float32 upcast. A mask whose construction is provably causal (``fxpass.masks``) becomes a flag, so no T×T
-tensor is materialized at all; any other mask is passed as an additive bias. ``F.scaled_dot_product_attention``
-calls are already O(T) in memory and are left alone, with the reason recorded.
+``q @ kᵀ`` (matmul, bmm or einsum); after it, an optional cast and dropout, then ``@ v``. Forms covered:
+nanoGPT (a registered ``tril`` buffer with ``masked_fill(-inf)``), HF transformers' eager attention
+(Llama/Mistral/Qwen2 with ``repeat_kv`` grouped-query heads and the masking utilities' additive mask, GPT-2,
+BERT's additive padding mask), scaling by multiplication or division (or none, as in T5),
+``torch.where(mask, scores, finfo.min)`` and softmax with a float32 upcast. A mask whose construction is
+provably causal (``fxpass.masks``) becomes a flag, so no T×T tensor is materialized at all; any other mask is
+passed as an additive bias. ``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left
+alone, with the reason recorded.
 """
 
 from __future__ import annotations
@@ -169,6 +170,8 @@ def _after_softmax(softmax: fx.Node):
         user = steps[0]
         if is_call(user, *SCORE_MATMULS) or is_method(user, "matmul", "bmm"):
             return tuple(chain), dropout_p, user, user.args[1]
+        if _einsum_form(user) == "values":
+            return tuple(chain), dropout_p, user, user.args[2]
         if is_call(user, F.dropout) or is_method(user, "dropout"):
             bound = bind_args(user, ("input", "p", "training", "inplace"), {"p": 0.5, "training": True})
             if bound is None or not isinstance(bound["p"], float | int) or not isinstance(bound["training"], bool):
@@ -180,6 +183,8 @@ def _after_softmax(softmax: fx.Node):
 
 def _continues(user: fx.Node, node: fx.Node) -> bool:
     """``user`` carries the probabilities on towards ``@ v``: a cast, dropout, or the product itself."""
+    if _einsum_form(user) == "values" and user.args[1] is node:
+        return True
     if not user.args or user.args[0] is not node:
         return False
     return (
@@ -263,7 +268,10 @@ def _masks_out(fill: Any) -> bool:
 
 
 def _is_scores_shaped(node: fx.Node) -> bool:
-    return is_call(node, *SCORE_MATMULS) or is_method(node, "matmul") or _scale_step(node) is not None
+    return (
+        is_call(node, *SCORE_MATMULS) or is_method(node, "matmul") or _einsum_form(node) == "scores"
+        or _scale_step(node) is not None
+    )
 
 
 def _causal_additive(node: fx.Node, real) -> bool:
@@ -299,7 +307,13 @@ def _scale_step(node: fx.Node):
 
 
 def _qk_product(node: fx.Node):
-    """(q, k) for ``q @ kᵀ`` (matmul or bmm with k transposed on its last two dimensions)."""
+    """(q, k) for ``q @ kᵀ`` (matmul or bmm with k transposed on its last two dimensions, or an einsum)."""
+    if _einsum_form(node) == "scores":
+        q, k = node.args[1], node.args[2]
+        q_value, k_value = tensor_value(q), tensor_value(k)
+        if q_value is None or k_value is None or q_value.dim() not in (3, 4) or q_value.dim() != k_value.dim():
+            return None
+        return q, k
     if not ((is_call(node, *SCORE_MATMULS) or is_method(node, "matmul", "bmm")) and len(node.args) == 2):
         return None
     q, k_t = node.args
@@ -309,6 +323,44 @@ def _qk_product(node: fx.Node):
     if q_value is None or k_value is None or q_value.dim() not in (3, 4) or q_value.dim() != k_value.dim():
         return None
     return q, k_t.args[0]
+
+
+def _einsum_form(node: fx.Node) -> str | None:
+    """"scores" for ``einsum("…id,…jd->…ij", q, k)``, "values" for ``einsum("…ij,…jd->…id", p, v)``, else None.
+
+    The batch prefix (letters, or ``...``) must be the same on both operands and the output."""
+    if not (is_call(node, torch.einsum) and len(node.args) == 3 and isinstance(node.args[0], str)):
+        return None
+    if not all(isinstance(a, fx.Node) for a in node.args[1:]):
+        return None
+    equation = node.args[0].replace(" ", "")
+    if equation.count("->") != 1 or equation.count(",") != 1:
+        return None
+    operands, out = equation.split("->")
+    a, b = operands.split(",")
+    terms = [_einsum_term(t) for t in (a, b, out)]
+    if any(t is None for t in terms):
+        return None
+    (prefix_a, (a1, a2)), (prefix_b, (b1, b2)), (prefix_o, (o1, o2)) = terms
+    if not (prefix_a == prefix_b == prefix_o) or len(prefix_a) + 2 < 3:
+        return None
+    if len({a1, a2, b1, b2, o1, o2} & set(prefix_a)) or len(set(prefix_a)) != len(prefix_a):
+        return None
+    if a2 == b2 and (o1, o2) == (a1, b1) and len({a1, b1, a2}) == 3:
+        return "scores"
+    if a2 == b1 and (o1, o2) == (a1, b2) and len({a1, a2, b2}) == 3:
+        return "values"
+    return None
+
+
+def _einsum_term(term: str) -> tuple[tuple[str, ...], tuple[str, str]] | None:
+    """(batch prefix, last two letters) of one einsum operand; ``...`` counts as one prefix entry."""
+    prefix: tuple[str, ...] = ()
+    if term.startswith("..."):
+        prefix, term = ("...",), term[3:]
+    if len(term) < 2 or not term.isalpha() or "." in term:
+        return None
+    return prefix + tuple(term[:-2]), (term[-2], term[-1])
 
 
 def _transposes_last_two(node: fx.Node) -> bool:
@@ -445,6 +497,8 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
 def _inputs_left_dead(candidate: AttentionMatch) -> list[fx.Node]:
     """kᵀ and HF's repeat_kv copies of k and v, which only the replaced matmuls read."""
     first, last = candidate.chain[0], candidate.chain[-1]
+    if _einsum_form(first) is not None or _einsum_form(last) is not None:
+        return []  # einsum reads k and v as they are
     found = [first.args[1]] if isinstance(first.args[1], fx.Node) else []
     for node in (*found, last.args[1]):
         while isinstance(node, fx.Node) and node not in (candidate.k, candidate.v) and node.op != "placeholder":

@@ -93,6 +93,31 @@ class GraphModule(torch.nn.Module):
             self.assertTrue(record.applied)
             self.assertEqual(record.params["causal"], True)
 
+    def test_einsum_spellings(self):
+        """einsum for both products: named heads, an ellipsis batch, and [B·H, T, D] operands."""
+        forms = [
+            ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd", _qkv()),
+            ("...id,...jd->...ij", "...ij,...jd->...id", _qkv(queries=5, keys=7)),
+            ("b i d, b j d -> b i j", "b i j, b j d -> b i d", [t.detach().flatten(0, 1).requires_grad_() for t in _qkv()]),
+        ]
+        for scores_eq, values_eq, inputs in forms:
+
+            def fn(q, k, v, scores_eq=scores_eq, values_eq=values_eq):
+                return torch.einsum(values_eq, torch.softmax(torch.einsum(scores_eq, q, k) * D**-0.5, dim=-1), v)
+
+            (record,) = _attention_records(_check(fn, *inputs))
+            self.assertTrue(record.applied, scores_eq)
+            self.assertEqual(record.params["scale"], D**-0.5)
+
+    def test_einsum_that_is_not_attention(self):
+        """Contracting the wrong dimension (q kᵀ over heads, say) is no candidate."""
+
+        def fn(q, k, v):
+            return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(torch.einsum("bhqd,bhqe->bhde", q, k), -1), v)
+
+        q, k, v = _qkv(queries=D, keys=D)
+        self.assertEqual(_attention_records(rewritten(fn, q, k, v)), [])
+
     def test_arange_comparison_where_finfo_min(self):
         """GPT-2 style ``where(causal, scores, finfo.min)`` with the mask built from arange comparisons."""
 
