@@ -74,7 +74,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "backward", "setting": setting}
         try:
             with kernels.forced_tiles(backward=tiles):
-                run = lambda: kernels.backward(q, k, v, None, out, lse, grad, scale, causal, 0.0, None)  # noqa: E731
+                run = lambda: kernels.backward(q, k, v, None, out, lse, grad, scale, causal, 0.0, None)[:3]  # noqa: E731
                 dq = run()[0]
                 ms = _bench(run)
             row |= {"tflops": 2.5 * flops / ms / 1e9, "ms": ms, "deviation": (dq - expected_dq).abs().max().item()}

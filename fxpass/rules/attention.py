@@ -7,8 +7,9 @@ nanoGPT (a registered ``tril`` buffer with ``masked_fill(-inf)``), HF transforme
 BERT's additive padding mask), scaling by multiplication or division (or none, as in T5),
 ``torch.where(mask, scores, finfo.min)`` and softmax with a float32 upcast. A mask whose construction is
 provably causal (``fxpass.masks``) becomes a flag, so no T×T tensor is materialized at all; any other mask is
-passed as an additive bias. ``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left
-alone, with the reason recorded.
+passed as an additive bias, learned ones (T5) included: the op returns their gradient.
+``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left alone, with the reason
+recorded.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class AttentionMatch:
     v: fx.Node | None = None
     scale: float = 1.0
     causal: bool = False
-    bias: fx.Node | None = None  # additive, broadcastable to [B, H, Tq, Tk]
+    biases: tuple[fx.Node, ...] = ()  # additive terms, each broadcastable to [B, H, Tq, Tk]
     # A boolean mask to turn into an additive bias: (mask, fill, True if the fill applies where the mask is True)
     bias_from_mask: tuple[fx.Node, float, bool] | None = None
     dropout_p: float = 0.0
@@ -95,7 +96,7 @@ class AttentionMatch:
     def _mask_kind(self) -> str:
         if self.causal:
             return "causal (flag)"
-        if self.bias is not None or self.bias_from_mask is not None:
+        if self.biases or self.bias_from_mask is not None:
             return "additive bias"
         return "none"
 
@@ -198,13 +199,14 @@ def _before_softmax(scores: fx.Node, facts: GraphFacts):
     chain: list[fx.Node] = []
     mask: dict[str, Any] = {}
     node = scores
-    mask_found = False
     scale = 1.0
     while True:
         chain.append(node)
-        if not mask_found and (found := _mask_step(node, facts)) is not None:
-            node, mask = found
-            mask_found = True
+        if (found := _mask_step(node, facts)) is not None:  # T5's decoder adds a position bias, then a mask
+            node, step = found
+            mask = _merge_masks(mask, step)
+            if mask is None:
+                return None
             continue
         factor = _scale_step(node)
         if factor is not None and scale == 1.0:
@@ -218,6 +220,20 @@ def _before_softmax(scores: fx.Node, facts: GraphFacts):
             return None
         q, k = qk
         return tuple(reversed(chain)), q, k, scale, mask
+
+
+def _merge_masks(mask: dict[str, Any], step: dict[str, Any]) -> dict[str, Any] | None:
+    """The mask fields of two steps together: causal flags and additive terms add up; at most one boolean mask
+    becomes a bias (two would need their union, which is left to eager)."""
+    merged = dict(mask)
+    merged["causal"] = mask.get("causal", False) or step.get("causal", False)
+    merged["mask_nodes"] = mask.get("mask_nodes", ()) + step.get("mask_nodes", ())
+    merged["biases"] = mask.get("biases", ()) + step.get("biases", ())
+    if "bias_from_mask" in step:
+        if "bias_from_mask" in mask:
+            return None
+        merged["bias_from_mask"] = step["bias_from_mask"]
+    return merged
 
 
 def _mask_step(node: fx.Node, facts: GraphFacts):
@@ -245,7 +261,7 @@ def _mask_step(node: fx.Node, facts: GraphFacts):
             scores, additive = additive, scores
         if _causal_additive(additive, real):
             return scores, {"causal": True, "mask_nodes": (additive,)}
-        return scores, {"bias": additive}
+        return scores, {"biases": (additive,)}
     return None
 
 
@@ -404,8 +420,6 @@ def _blocker(candidate: AttentionMatch) -> str | None:
         return "value head dim differs from the query's (not supported by memopt.flash_attention)"
     if not candidate.three_d and not _heads_divide(q, k):
         return f"{q.shape[-3]} query heads are not a multiple of {k.shape[-3]} key heads"
-    if candidate.bias is not None and tensor_value(candidate.bias).requires_grad:
-        return "the additive bias needs a gradient (a learned position bias): not supported by memopt.flash_attention"
     inside = set(candidate.chain)
     for node in candidate.chain[:-1]:
         for user in node.users:
@@ -447,7 +461,15 @@ def memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
         before[f"transient: the causal mask {mask.name}, no longer built"] = shapes.nbytes(tensor_value(mask))
     batch = 1 if candidate.three_d else q.shape[0]
     heads = q.shape[0] if candidate.three_d else q.shape[1]
-    return shapes.MemoryModel(before, working_set(batch, heads, q.shape[-2], k.shape[-2], q.device))
+    after = working_set(batch, heads, q.shape[-2], k.shape[-2], q.device)
+    if len(candidate.biases) + (candidate.bias_from_mask is not None) > 1:
+        after["transient: the additive terms summed into one bias (at most [B, H, Tq, Tk])"] = scores * q.dtype.itemsize
+    if any(tensor_value(term).requires_grad for term in candidate.biases):
+        # A learned bias's gradient is a full dS either way: eager's softmax backward builds dP and dS,
+        # the flash backward writes dS in fp32 before summing it to the bias's shape.
+        before["transient (backward): gradients of probabilities and scores"] = 2 * scores * probs.dtype.itemsize
+        after["transient (backward): the bias gradient dS [B, H, Tq, Tk] (fp32)"] = scores * 4
+    return shapes.MemoryModel(before, after)
 
 
 # --- apply ------------------------------------------------------------------------------------------------
@@ -466,11 +488,14 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
         q, k, v = candidate.q, candidate.k, candidate.v
         if candidate.three_d:
             q, k, v = (add("call_method", "unsqueeze", t, 0) for t in (q, k, v))
-        bias = candidate.bias
+        terms = list(candidate.biases)
         if candidate.bias_from_mask is not None:
             mask, fill, fill_where_true = candidate.bias_from_mask
             values = (float(fill), 0.0) if fill_where_true else (0.0, float(fill))
-            bias = add("call_function", torch.where, mask, *values)
+            terms.append(add("call_function", torch.where, mask, *values))
+        bias = terms[0] if terms else None
+        for term in terms[1:]:
+            bias = add("call_function", operator.add, bias, term)
         if bias is not None and tensor_value(bias).dtype != tensor_value(q).dtype:
             bias = add("call_method", "to", bias, tensor_value(q).dtype)
         fused = add(

@@ -269,12 +269,15 @@ def _delta_kernel(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse, delta, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+    dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
     stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """dQ += dS·K for one key block, dS = P ∘ (dP − delta) with P recomputed from lse (scale applied at the end)."""
+    """dQ += dS·K for one key block, dS = P ∘ (dP − delta) with P recomputed from lse (scale applied at the end).
+
+    With BIAS_GRAD the tile of dS, which is ∂loss/∂bias, is written to this head's [Tq, Tk] slice of dbias."""
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
     v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
@@ -287,19 +290,24 @@ def _dq_step(
     if HAS_DROPOUT:  # dP of the kept, rescaled probabilities, pulled back through the mask
         dp = tl.where(_kept(seed, drop_rows[:, None] + cols[None, :], dropout_p), dp * keep_scale, 0.0)
     ds = p * (dp - delta[:, None])
+    if BIAS_GRAD:
+        inside = (rows[:, None] < len_q) & (cols[None, :] < len_k)
+        tl.store(dbias + rows[:, None].to(tl.int64) * len_k + cols[None, :], ds, mask=inside)
     return dq + _dot(ds, k, IEEE)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, Bias, GradOut, Lse, Delta, DQ, Seed,
+    Q, K, V, Bias, GradOut, Lse, Delta, DQ, DBias, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt, stride_db, stride_dh, stride_dt,
     n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BIAS_GRAD: tl.constexpr,
 ):
-    """dQ of one block of queries (pinned with dO, lse and delta), streaming the key blocks it can see."""
+    """dQ of one block of queries (pinned with dO, lse and delta), streaming the key blocks it can see; with
+    BIAS_GRAD also dS into DBias, a zeroed contiguous fp32 [B, Hq, Tq, Tk] (blocks never visited stay 0)."""
     qk_scale, scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(scale), as_fp32(dropout_p), as_fp32(keep_scale)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
@@ -310,20 +318,21 @@ def _dq_kernel(
     bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
     seed = _dropout_seed(Seed, HAS_DROPOUT)
     drop_rows = (bh * len_q + rows) * len_k
+    dbias = DBias + bh * len_q * len_k if BIAS_GRAD else DBias
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     free, end = _key_range(start_m, len_k, CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, free, BLOCK_N):
         dq = _dq_step(
-            dq, q, do, lse, delta, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-            False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            False, CAUSAL, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
         )
     for start_n in range(free, end, BLOCK_N):
         dq = _dq_step(
-            dq, q, do, lse, delta, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-            True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            True, CAUSAL, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
         )
     _store_rows(DQ + b * stride_db + h * stride_dh, rows, len_q, stride_dt, dq * scale, HEAD_DIM, BLOCK_D)
 
@@ -560,9 +569,11 @@ def backward(
     causal: bool,
     dropout_p: float,
     seed: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (inputs' shapes and dtypes, contiguous) from the forward's out and lse; dk/dv of a shared
-    key/value head sum over its query heads."""
+    key/value head sum over its query heads. With ``bias_grad`` also ∂loss/∂bias as a full fp32
+    [B, Hq, Tq, Tk] (the caller sums it over the bias's broadcast dimensions), else None."""
     q, k, v, out, grad_out = (_unit_last(t) for t in (q, k, v, out, grad_out))
     lse = lse.contiguous()
     batch, n_heads, len_q, head_dim = q.shape
@@ -575,6 +586,7 @@ def backward(
     common = (n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), scale, dropout_p, 1.0 / (1.0 - dropout_p))
 
     delta = torch.empty_like(lse)
+    dbias = q.new_zeros((batch, n_heads, len_q, len_k), dtype=torch.float32) if bias_grad else None
     grid = (triton.cdiv(len_q, pinned) * batch * n_heads,)
     if grid[0]:
         launchable(_delta_kernel)[grid](
@@ -582,10 +594,10 @@ def backward(
             HEAD_DIM=head_dim, BLOCK_M=pinned, BLOCK_D=flags["BLOCK_D"],
         )
         launchable(_dq_kernel)[grid](
-            q, k, v, bias, grad_out, lse, delta, dq, seed,
+            q, k, v, bias, grad_out, lse, delta, dq, dbias, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
             *dq.stride()[:3], *common,
-            **flags, BLOCK_M=pinned, BLOCK_N=swept, **tiles,
+            **flags, BLOCK_M=pinned, BLOCK_N=swept, BIAS_GRAD=bias_grad, **tiles,
         )
     grid = (triton.cdiv(len_k, pinned) * batch * n_kv_heads,)
     if grid[0]:
@@ -595,7 +607,7 @@ def backward(
             *dk.stride()[:3], *dv.stride()[:3], *common,
             **flags, BLOCK_M=swept, BLOCK_N=pinned, **tiles,
         )
-    return dq, dk, dv
+    return dq, dk, dv, dbias
 
 
 def dropout_keep_mask(

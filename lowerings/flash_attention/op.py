@@ -4,7 +4,9 @@
 
 q is [B, Hq, Tq, D], k and v [B, Hk, Tk, D] with Hq a multiple of Hk (grouped-query attention, without
 repeating k and v). ``bias`` is None or an additive float tensor broadcastable to [B, Hq, Tq, Tk] (padding
-masks, position biases; a boolean mask becomes 0 / -inf); it must not need a gradient. ``causal`` masks keys
+masks, position biases; a boolean mask becomes 0 / -inf). A bias that needs a gradient (T5's learned position
+bias) gets one: the backward writes dS, a transient fp32 [B, Hq, Tq, Tk], and sums it over the bias's broadcast
+dimensions. ``causal`` masks keys
 after the query (top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``), without any T×T
 tensor. ``lse`` is the fp32 log-sum-exp per query; ``seed`` the dropout seed drawn from torch's generator.
 Autograd saves q, k, v, bias, out, lse and the seed, never the Tq×Tk probabilities.
@@ -84,13 +86,26 @@ def _(q, k, v, bias, scale, causal, dropout_p, seed):
 def flash_attention_backward_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return reference.backward(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, int(seed.item()))
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, dbias = reference.backward(
+        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, int(seed.item()), bias_grad
+    )
+    return dq, dk, dv, _bias_grad_of(dbias, bias, q)
 
 
 @flash_attention_backward_reference.register_fake
-def _(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad):
+    dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _bias_grad_of(full: torch.Tensor | None, bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """∂loss/∂bias from the full [B, Hq, Tq, Tk] dS: summed over the bias's broadcast dimensions, in its dtype;
+    an empty tensor when no bias gradient was asked for (custom ops cannot return None)."""
+    if full is None:
+        return q.new_empty(0)
+    return full.sum_to_size(bias.shape).to(bias.dtype)
 
 
 @device_op("flash_attention")
@@ -114,33 +129,35 @@ def flash_attention(
 def flash_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bias_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and, with ``bias_grad``, ∂loss/∂bias in the bias's shape (else an empty tensor)."""
     if HAS_TRITON and on_cuda(q, k, v):
-        return kernels.backward(
-            q, k, v, _full_bias(bias, q, k), out, lse, grad_out, scale, causal, dropout_p, seed
+        dq, dk, dv, dbias = kernels.backward(
+            q, k, v, _full_bias(bias, q, k), out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad
         )
+        return dq, dk, dv, _bias_grad_of(dbias, bias, q)
     return torch.ops.memopt.flash_attention_backward_reference(
-        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed
+        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, bias, scale, causal, dropout_p = inputs
-    if bias is not None and bias.requires_grad:
-        raise RuntimeError("memopt.flash_attention: the bias must not require a gradient (not supported)")
     out, lse, seed = output
     ctx.mark_non_differentiable(lse, seed)
     ctx.save_for_backward(q, k, v, bias, out, lse, seed)
     ctx.options = (scale, causal, dropout_p)
+    ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _backward(ctx, grad_out, grad_lse, grad_seed):
     q, k, v, bias, out, lse, seed = ctx.saved_tensors
     scale, causal, dropout_p = ctx.options
-    dq, dk, dv = torch.ops.memopt.flash_attention_backward(
-        q, k, v, bias, out, lse, grad_out.contiguous(), scale, causal, dropout_p, seed
+    dq, dk, dv, dbias = torch.ops.memopt.flash_attention_backward(
+        q, k, v, bias, out, lse, grad_out.contiguous(), scale, causal, dropout_p, seed, ctx.bias_grad
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, dbias if ctx.bias_grad else None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -84,8 +84,12 @@ def forward(q, k, v, bias, scale: float, causal: bool, dropout_p: float, seed: i
     return out, lse
 
 
-def backward(q, k, v, bias, out, lse, grad_out, scale: float, causal: bool, dropout_p: float, seed: int):
-    """(dq, dk, dv): dS = P ∘ (dP − rowsum(dO ∘ O)), recomputing P from the log-sum-exp block by block."""
+def backward(
+    q, k, v, bias, out, lse, grad_out, scale: float, causal: bool, dropout_p: float, seed: int, bias_grad: bool = False
+):
+    """(dq, dk, dv, dbias): dS = P ∘ (dP − rowsum(dO ∘ O)), recomputing P from the log-sum-exp block by block.
+
+    dbias (with ``bias_grad``) is dS itself, a full [B, Hq, Tq, Tk] in the compute dtype; else None."""
     acc = compute_dtype(q.dtype)
     heads, kv_heads = q.shape[1], k.shape[1]
     k_all, v_all = _expand_kv(k, heads).to(acc), _expand_kv(v, heads).to(acc)
@@ -94,6 +98,7 @@ def backward(q, k, v, bias, out, lse, grad_out, scale: float, causal: bool, drop
     dq = q.new_empty(q.shape)
     dk_all = torch.zeros_like(k_all)
     dv_all = torch.zeros_like(v_all)
+    dbias = q.new_empty((q.shape[0], heads, q.shape[2], k.shape[2]), dtype=acc) if bias_grad else None
     for index, rows, bias_block in _blocks(q, k, bias):
         q_block, do_block = q[:, :, rows].to(acc), grad_out[:, :, rows].to(acc)
         scores = _scores(q_block, k_all, bias_block, scale, causal, rows.start, acc)
@@ -106,7 +111,9 @@ def backward(q, k, v, bias, out, lse, grad_out, scale: float, causal: bool, drop
             grad_probs = grad_probs * keep
         dv_all += dropped.transpose(-2, -1) @ do_block
         grad_scores = probs * (grad_probs - delta[:, :, rows].unsqueeze(-1))
+        if dbias is not None:
+            dbias[:, :, rows] = grad_scores
         dq[:, :, rows] = (grad_scores @ k_all * scale).to(q.dtype)
         dk_all += grad_scores.transpose(-2, -1) @ q_block * scale
     dk, dv = _fold_kv(dk_all, kv_heads).to(k.dtype), _fold_kv(dv_all, kv_heads).to(v.dtype)
-    return dq, dk.contiguous(), dv.contiguous()
+    return dq, dk.contiguous(), dv.contiguous(), dbias

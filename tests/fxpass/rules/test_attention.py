@@ -118,6 +118,14 @@ class GraphModule(torch.nn.Module):
         q, k, v = _qkv(queries=D, keys=D)
         self.assertEqual(_attention_records(rewritten(fn, q, k, v)), [])
 
+    def test_learned_position_bias_gets_its_gradient(self):
+        """T5: no scale, a learned [1, H, T, T] position bias added to the scores; its gradient flows."""
+        position_bias = torch.randn(1, H, T, T, requires_grad=True)
+        ex = _check(lambda q, k, v, bias: torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v, *_qkv(), position_bias)
+        (record,) = _attention_records(ex)
+        self.assertTrue(record.applied)
+        self.assertEqual(record.params["mask"], "additive bias")
+
     def test_arange_comparison_where_finfo_min(self):
         """GPT-2 style ``where(causal, scores, finfo.min)`` with the mask built from arange comparisons."""
 
@@ -208,11 +216,6 @@ class TestDeclines(TestCase):
 
         self.assertExpectedInline(record_lines(rewritten(fn, *_qkv())), """attention applied=False proof=None: the attention scores/probabilities (probs) are also returned from the compiled graph, so they stay alive""")
 
-    def test_learned_position_bias(self):
-        position_bias = nn.Parameter(torch.randn(1, H, T, T))
-        ex = rewritten(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) + position_bias, dim=-1) @ v, *_qkv())
-        self.assertExpectedInline(record_lines(ex), """attention applied=False proof=None: the additive bias needs a gradient (a learned position bias): not supported by memopt.flash_attention""")
-
     def test_sdpa_left_alone(self):
         ex = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *_qkv())
         self.assertExpectedInline(record_lines(ex), """attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is""")
@@ -274,3 +277,33 @@ def test_hf_eager_attention_rewritten_in_every_layer(name, padding, mask_kind):
     assert {r.params["mask"] for r in records} == {mask_kind}
     torch.testing.assert_close(ex.result, expected)
     assert_close_all(grads(ex.result, params), expected_grads, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_hf_t5_learned_position_bias_and_causal_decoder():
+    """HF T5 with eager attention: encoder, decoder self- and cross-attention all rewritten (the decoder's
+    causal mask as a flag beside the learned position bias); loss and every gradient, the relative
+    position embeddings' included, equal eager's."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+        attn_implementation="eager", decoder_start_token_id=0, pad_token_id=0,
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    ids, labels = torch.randint(1, 384, (2, 12)), torch.randint(1, 384, (2, 7))
+
+    def step(ids, labels):
+        return model(input_ids=ids, labels=labels).loss
+
+    names, params = zip(*model.named_parameters(), strict=True)
+    expected = step(ids, labels)
+    expected_grads = grads(expected, params)
+    ex = rewritten(step, ids, labels)
+    records = _attention_records(ex)
+    assert len(records) == 6 and all(r.applied for r in records), [r.reason for r in records]
+    assert sorted(r.params["mask"] for r in records) == ["additive bias"] * 4 + ["causal (flag)"] * 2
+    torch.testing.assert_close(ex.result, expected)
+    actual_grads = grads(ex.result, params)
+    assert any("relative_attention_bias" in n and g is not None and g.abs().sum() > 0
+               for n, g in zip(names, actual_grads, strict=True))
+    assert_close_all(actual_grads, expected_grads, rtol=1e-4, atol=1e-5)

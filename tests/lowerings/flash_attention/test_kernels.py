@@ -72,7 +72,7 @@ def _position_bias(b, hq, tq, tk, dtype=torch.float32):
 
 def _run(q, k, v, bias, grad_out, scale, causal, dropout_p=0.0, seed=None):
     out, lse = kernels.forward(q, k, v, bias, scale, causal, dropout_p, seed)
-    return out, lse, kernels.backward(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed)
+    return out, lse, kernels.backward(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed)[:3]
 
 
 def _assert_fp32_close(ours, expected):
@@ -242,3 +242,23 @@ def test_cuda_tiles_fit_shared_memory(monkeypatch, dtype):
         forward_bytes = (fwd["BLOCK_M"] + fwd["num_stages"] * 2 * fwd["BLOCK_N"]) * block_d * size
         backward_bytes = (2 * bwd["PINNED"] + bwd["num_stages"] * 2 * bwd["SWEPT"]) * block_d * size
         assert max(forward_bytes, backward_bytes) <= 227 * 1024, (head_dim, forward_bytes, backward_bytes)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_bias_gradient_is_ds(causal, dropout_p):
+    """With bias_grad the dQ kernel writes dS = ∂loss/∂bias for every (b, h, i, j); blocks it never visits
+    (above the causal diagonal) stay zero."""
+    b, hq, hk, tq, tk, d = 2, 4, 2, 21, 19, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=3)
+    bias = _position_bias(b, hq, tq, tk)
+    seed = _seed(11)
+    keep = kernels.dropout_keep_mask(seed, b, hq, tq, tk, dropout_p, DEVICE) if dropout_p else None
+    out, lse = kernels.forward(q, k, v, bias, d**-0.5, causal, dropout_p, seed)
+    *_, dbias = kernels.backward(q, k, v, bias, out, lse, grad_out, d**-0.5, causal, dropout_p, seed, bias_grad=True)
+    full = bias.detach().double().clone().requires_grad_()
+    leaves = [t.detach().double() for t in (q, k, v)]
+    expected_out, _ = _attention(*leaves, full, d**-0.5, causal, keep, dropout_p)
+    (expected,) = torch.autograd.grad(expected_out, [full], grad_out.double())
+    assert dbias.shape == (b, hq, tq, tk) and dbias.dtype == torch.float32
+    torch.testing.assert_close(dbias.double(), expected, rtol=1e-5, atol=1e-5)

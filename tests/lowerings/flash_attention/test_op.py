@@ -112,8 +112,21 @@ def test_bias_of_the_wrong_shape():
         OP(q, k, v, torch.zeros(2, 1, 1, 5, dtype=torch.float64), 0.4, False, 0.0)
 
 
-def test_bias_needing_a_gradient_is_refused():
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias_shape", [(2, 4, 7, 9), (1, 4, 7, 9), (2, 1, 1, 9), (7, 9)])
+def test_learned_bias_gets_its_gradient(causal, bias_shape):
+    """A bias that needs a gradient (T5's position bias) gets ∂loss/∂bias, summed over its broadcast dims."""
     q, k, v = _inputs()
-    bias = torch.zeros(1, 4, 7, 9, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="bias must not require a gradient"):
-        OP(q, k, v, bias, 0.4, False, 0.0)
+    bias = torch.randn(bias_shape, dtype=torch.float64, requires_grad=True)
+    out = OP(q, k, v, bias, 0.4, causal, 0.0)[0]
+    expected = _math(q, k, v, bias, 0.4, causal)
+    weights = torch.randn_like(expected)
+    actual_grads = torch.autograd.grad((out * weights).sum(), [q, k, v, bias])
+    expected_grads = torch.autograd.grad((expected * weights).sum(), [q, k, v, bias])
+    for actual, wanted in zip(actual_grads, expected_grads, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-10, atol=1e-12)
+
+
+def test_learned_bias_opcheck():
+    q, k, v = _inputs(dtype=torch.float32)
+    torch.library.opcheck(OP.default, (q, k, v, torch.randn(1, 4, 7, 9, requires_grad=True), 0.4, True, 0.0))
