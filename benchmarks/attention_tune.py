@@ -31,10 +31,13 @@ FORWARD = [
     (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
     (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 4, 3), (64, 32, 4, 4),
 ]
-# (PINNED, SWEPT, num_warps, num_stages)
+# (PINNED, SWEPT, num_warps, num_stages, ATOMIC_DQ): ATOMIC_DQ adds dQ from the dK/dV kernel with atomics
+# (FA2's five-GEMM scheme) instead of a second kernel that recomputes P and dP.
 BACKWARD = [
-    (128, 32, 8, 2), (128, 32, 8, 3), (128, 16, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2),
-    (64, 64, 8, 3), (64, 32, 4, 3), (128, 64, 8, 1), (64, 128, 8, 2), (128, 32, 4, 2),
+    (128, 32, 8, 2, False), (128, 32, 8, 3, False), (128, 64, 8, 2, False), (64, 64, 4, 2, False),
+    (64, 32, 4, 3, False), (128, 64, 8, 1, False),
+    (128, 64, 8, 2, True), (128, 32, 8, 2, True), (64, 64, 4, 2, True), (128, 64, 8, 3, True),
+    (64, 32, 4, 3, True), (128, 128, 8, 2, True),
 ]
 
 
@@ -70,7 +73,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
         rows.append(row)
         log.info("%s", row)
     for setting in BACKWARD:
-        tiles = dict(zip(("PINNED", "SWEPT", "num_warps", "num_stages"), setting, strict=True))
+        tiles = dict(zip(("PINNED", "SWEPT", "num_warps", "num_stages", "ATOMIC_DQ"), setting, strict=True))
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "backward", "setting": setting}
         try:
             with kernels.forced_tiles(backward=tiles):

@@ -339,12 +339,16 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, Q, GradOut, Lse, Delta, bias, seed, row_base, cols, start_m, len_q, len_k,
+    dk, dv, k, v, Q, GradOut, Lse, Delta, DQ, bias, seed, row_base, cols, start_m, len_q, len_k,
     stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """dV += Pᵀ·dO and dK += dSᵀ·Q for one query block, on the transposed (keys × queries) tile."""
+    """dV += Pᵀ·dO and dK += dSᵀ·Q for one query block, on the transposed (keys × queries) tile.
+
+    ATOMIC_DQ (FA2's original scheme): also add dS·K into this head's fp32 dQ rows with atomics, so no second
+    kernel recomputes P and dP for dQ (five GEMMs a tile instead of seven; dQ's summation order varies)."""
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_rows(Q, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     do = _load_rows(GradOut, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
@@ -363,21 +367,28 @@ def _dkdv_step(
         dv += _dot(p_t, do, IEEE)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += _dot(ds_t, q, IEEE)
+    if ATOMIC_DQ:
+        dims = tl.arange(0, BLOCK_D)
+        inside = (rows < len_q)[:, None] & (dims < HEAD_DIM)[None, :]
+        offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
+        tl.atomic_add(DQ + offsets, _dot(tl.trans(ds_t), k, IEEE), mask=inside)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, Bias, GradOut, Lse, Delta, DK, DV, Seed,
+    Q, K, V, Bias, GradOut, Lse, Delta, DK, DV, DQ, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
     """dK and dV of one block of keys of one (batch, kv head): pinned K/V, swept over the query blocks of every
-    query head of the group, so the GQA sum happens in registers."""
+    query head of the group, so the GQA sum happens in registers. With ATOMIC_DQ, dQ too: DQ is a zeroed
+    contiguous fp32 [B, Hq, Tq, D], unscaled."""
     qk_scale, scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(scale), as_fp32(dropout_p), as_fp32(keep_scale)
     k_blocks = tl.cdiv(len_k, BLOCK_N)
     pid = tl.program_id(0)
@@ -400,17 +411,18 @@ def _dkdv_kernel(
         do_h = GradOut + b * stride_gb + h * stride_gh
         bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
         row_base = (b * n_heads + h) * len_q
+        dq_h = DQ + row_base * HEAD_DIM if ATOMIC_DQ else DQ
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_h, do_h, Lse, Delta, bias, seed, row_base, cols, start_m, len_q, len_k,
+                dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
                 stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-                True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_M, BLOCK_D,
+                True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_D,
             )
         for start_m in range(mid, len_q, BLOCK_M):
             dk, dv = _dkdv_step(
-                dk, dv, k, v, q_h, do_h, Lse, Delta, bias, seed, row_base, cols, start_m, len_q, len_k,
+                dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
                 stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-                False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_M, BLOCK_D,
+                False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_D,
             )
     _store_rows(DK + b * stride_dkb + kv * stride_dkh, cols, len_k, stride_dkt, dk * scale, HEAD_DIM, BLOCK_D)
     _store_rows(DV + b * stride_dvb + kv * stride_dvh, cols, len_k, stride_dvt, dv, HEAD_DIM, BLOCK_D)
@@ -578,9 +590,12 @@ def backward(
     lse = lse.contiguous()
     batch, n_heads, len_q, head_dim = q.shape
     n_kv_heads, len_k = k.shape[1], k.shape[2]
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     _, tiles = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
     pinned, swept = tiles.pop("PINNED"), tiles.pop("SWEPT")
+    atomic_dq = tiles.pop("ATOMIC_DQ", False) and not bias_grad  # the bias gradient comes from the dQ kernel
+    dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
+    dq = q.new_empty(q.shape) if not atomic_dq else None
+    dq_acc = q.new_zeros(q.shape, dtype=torch.float32) if atomic_dq else None
     flags = _flags(q, bias, causal, dropout_p)
     seed = seed if dropout_p > 0.0 else None
     common = (n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), scale, dropout_p, 1.0 / (1.0 - dropout_p))
@@ -593,6 +608,7 @@ def backward(
             out, grad_out, delta, *out.stride()[:3], *grad_out.stride()[:3], n_heads, len_q,
             HEAD_DIM=head_dim, BLOCK_M=pinned, BLOCK_D=flags["BLOCK_D"],
         )
+    if grid[0] and not atomic_dq:
         launchable(_dq_kernel)[grid](
             q, k, v, bias, grad_out, lse, delta, dq, dbias, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
@@ -602,11 +618,13 @@ def backward(
     grid = (triton.cdiv(len_k, pinned) * batch * n_kv_heads,)
     if grid[0]:
         launchable(_dkdv_kernel)[grid](
-            q, k, v, bias, grad_out, lse, delta, dk, dv, seed,
+            q, k, v, bias, grad_out, lse, delta, dk, dv, dq_acc, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *common,
-            **flags, BLOCK_M=swept, BLOCK_N=pinned, **tiles,
+            **flags, BLOCK_M=swept, BLOCK_N=pinned, ATOMIC_DQ=atomic_dq, **tiles,
         )
+    if atomic_dq:
+        dq = (dq_acc * scale).to(q.dtype)
     return dq, dk, dv, dbias
 
 
