@@ -58,6 +58,8 @@ def sample(
 
     ``x`` must be detached: no gradient flows through the sample, and autograd must not keep x for it."""
     rows = x.shape[0]
+    if budget >= 1.0:  # every row, unweighted: the exact gradient (a static branch, no guard on N)
+        return torch.arange(rows, device=x.device), x.clone()
     k = reference.sample_size(rows, budget)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(reference.positions_of(rows, period, x.device))
     probabilities = reference.sampling_probabilities(_row_norms(x), grad_estimate)

@@ -198,3 +198,10 @@ def test_kernels_match_reference():
     index = torch.randint(0, 37, (11,), generator=gen)
     weight = torch.rand(11, generator=gen) + 0.5
     torch.testing.assert_close(kernels.gather_rows(x, index, weight), reference.gather_rows(x, index, weight))
+
+
+def test_full_budget_is_exact():
+    """Budget 1 keeps every row with weight 1: the weight gradient is the exact one."""
+    x, weight, grad_out = _problem(rows=40)
+    (estimate,) = _weight_grads(x, weight, grad_out, 1.0, 1)
+    torch.testing.assert_close(estimate, grad_out.t() @ x, rtol=1e-12, atol=1e-12)
