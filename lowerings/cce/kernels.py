@@ -20,6 +20,8 @@ buffers, which functionalization would turn into copies of whole gradients. With
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -45,17 +47,19 @@ def _tanh(x):
 
 @triton.jit
 def _logit_tile(
-    E, C, bias, rows, cols, n_rows, n_cols, dim,
+    E, C, bias, rows, cols, vocab, n_rows, n_cols, dim,
     stride_en, stride_ed, stride_cv, stride_cd,
     softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (softcapped), and tanh(x/c) for the chain rule."""
+    """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (softcapped), and tanh(x/c) for the chain rule.
+
+    ``vocab`` are the classes at those columns: ``cols`` itself, or their classes in a sorted vocabulary."""
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     e_rows = E + rows.to(tl.int64)[:, None] * stride_en
-    c_rows = C + cols.to(tl.int64)[:, None] * stride_cv
+    c_rows = C + vocab.to(tl.int64)[:, None] * stride_cv
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k in range(0, dim, BLOCK_D):
         ks = k + tl.arange(0, BLOCK_D)
@@ -69,7 +73,7 @@ def _logit_tile(
         else:
             acc = tl.dot(e, tl.trans(c), acc)
     if HAS_BIAS:
-        acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias + vocab, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     capped = acc
     if HAS_SOFTCAP:
         capped = _tanh(acc / softcap)
@@ -104,7 +108,7 @@ def _lse_forward_kernel(
     for v in range(col_lo, col_hi, BLOCK_V):
         cols = v + tl.arange(0, BLOCK_V)
         logits, _ = _logit_tile(
-            E, C, bias, rows, cols, n_rows, col_hi, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
+            E, C, bias, rows, cols, cols, n_rows, col_hi, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
             HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         col_ok = (cols < col_hi)[None, :]
@@ -125,17 +129,21 @@ def _lse_forward_kernel(
 
 @triton.jit
 def _grad_logits_kernel(
-    E, C, bias, targets, lse, grad_rows, grad_lse, G,
+    E, C, bias, targets, lse, grad_rows, grad_lse, G, Order, Live,
     n_rows, n_cols, dim, col_start, chunk_cols,
     stride_en, stride_ed, stride_cv, stride_cd, stride_gn,
-    smoothing_keep, smoothing_spread, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    smoothing_keep, smoothing_spread, softcap, filter_eps,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, FILTER: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """G[n, j] = ∂(Σ g_n·loss_n + Σ h_n·lse_n)/∂logit[n, col_start + j], written in G's dtype.
 
     ∂loss/∂z = softmax(z) − (1 − ε)·onehot − ε/V and ∂lse/∂z = softmax(z); through the softcap
     z = c·tanh(x/c) both are multiplied by 1 − tanh²(x/c).
+
+    FILTER (Wijmans et al. 2024, §4.3): columns run through the vocabulary in the sorted ``Order``; a tile whose
+    every |softmax − target| of a contributing row is below ``filter_eps`` is written as zeros and marked dead in
+    ``Live[row tile, column tile]``, so that the gradient products can skip it.
     """
     smoothing_keep, smoothing_spread, softcap = as_fp32(smoothing_keep), as_fp32(smoothing_spread), as_fp32(softcap)
     col_tiles = tl.cdiv(chunk_cols, BLOCK_V)
@@ -144,8 +152,12 @@ def _grad_logits_kernel(
     local = (pid % col_tiles) * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = col_start + local
     row_ok = rows < n_rows
+    if FILTER:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+        vocab = tl.load(Order + cols, mask=cols < n_cols, other=0)
+    else:
+        vocab = cols
     logits, capped = _logit_tile(
-        E, C, bias, rows, cols, n_rows, n_cols, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
+        E, C, bias, rows, cols, vocab, n_rows, n_cols, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
         HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
     )
     row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
@@ -153,19 +165,27 @@ def _grad_logits_kernel(
     g_lse = tl.load(grad_lse + rows, mask=row_ok, other=0.0)
     target = tl.load(targets + rows, mask=row_ok, other=-1).to(tl.int64)
     probs = tl.exp(logits - row_lse[:, None])
+    is_target = vocab.to(tl.int64)[None, :] == target[:, None]
     grad = probs * (g_loss + g_lse)[:, None] - (g_loss * smoothing_spread)[:, None]
-    grad -= tl.where(cols.to(tl.int64)[None, :] == target[:, None], (g_loss * smoothing_keep)[:, None], 0.0)
+    grad -= tl.where(is_target, (g_loss * smoothing_keep)[:, None], 0.0)
     if HAS_SOFTCAP:
         grad = grad * (1.0 - capped * capped)
     mask = row_ok[:, None] & (local < chunk_cols)[None, :]
+    if FILTER:
+        contributing = mask & ((g_loss != 0.0) | (g_lse != 0.0))[:, None]
+        distance = tl.abs(probs - smoothing_spread - tl.where(is_target, smoothing_keep, 0.0))
+        live = tl.max(tl.max(tl.where(contributing, distance, 0.0), axis=1), axis=0) >= as_fp32(filter_eps)
+        tl.store(Live + pid, live.to(tl.int8))  # pid = row tile · col_tiles + col tile
+        grad = tl.where(live, grad, 0.0)
     tl.store(G + rows.to(tl.int64)[:, None] * stride_gn + local[None, :], grad.to(G.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _accumulate_product_kernel(
-    A, B, High, Low, m_size, n_size, k_size,
-    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
-    COMPENSATED: tl.constexpr, IEEE: tl.constexpr,
+    A, B, High, Low, BRows, Live, m_size, n_size, k_size,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, live_stride_m, live_stride_k,
+    COMPENSATED: tl.constexpr, IEEE: tl.constexpr, GATHER_B: tl.constexpr, SKIP: tl.constexpr,
+    LIVE_M: tl.constexpr, LIVE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """High + Low += A[M, K] @ B[K, N] in fp32: the ∂E accumulation, with no 16-bit rounding of partials.
@@ -173,6 +193,10 @@ def _accumulate_product_kernel(
     For 16-bit outputs the running sum is kept as an unevaluated pair high + low of two 16-bit numbers
     (~16 significant bits, Dekker 1971), so ``High`` ends as the correctly rounded result and no separate
     fp32 buffer is needed; for fp32 outputs ``High`` alone is the accumulator.
+
+    GATHER_B: row r of B is row ``BRows[r]`` of the ``B`` tensor (a sorted vocabulary). SKIP: the [M, K] blocks
+    of A are tiles of LIVE_M × LIVE_K with flags ``Live[m // LIVE_M · live_stride_m + k // LIVE_K · live_stride_k]``;
+    dead tiles (all zeros) are not multiplied.
     """
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(m_size, BLOCK_M)
@@ -192,16 +216,26 @@ def _accumulate_product_kernel(
     if COMPENSATED:
         acc += tl.load(Low + offsets, mask=out_ok, other=0.0).to(tl.float32)
     a_rows = A + rm.to(tl.int64)[:, None] * stride_am
+    live_row = (pid_m * BLOCK_M // LIVE_M) * live_stride_m
     for k in range(0, k_size, BLOCK_K):
-        rk = k + tl.arange(0, BLOCK_K)
-        k_ok = rk < k_size
-        a = tl.load(a_rows + rk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(B + rk.to(tl.int64)[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        if SKIP:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+            live = tl.load(Live + live_row + (k // LIVE_K) * live_stride_k) != 0
         else:
-            acc = tl.dot(a, b, acc)
+            live = True
+        if live:
+            rk = k + tl.arange(0, BLOCK_K)
+            k_ok = rk < k_size
+            a = tl.load(a_rows + rk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if GATHER_B:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+                b_rows = tl.load(BRows + rk, mask=k_ok, other=0).to(tl.int64)
+            else:
+                b_rows = rk.to(tl.int64)
+            b = tl.load(B + b_rows[:, None] * stride_bk + rn[None, :] * stride_bn,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if IEEE:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
     high = acc.to(High.dtype.element_ty)  # round to nearest on GPUs (Triton's CPU interpreter truncates)
     tl.store(High + offsets, high, mask=out_ok)
     if COMPENSATED:
@@ -228,19 +262,47 @@ def _product_blocks(dtype: torch.dtype) -> dict[str, int]:
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
-def accumulate_product(high: torch.Tensor, low: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> None:
+@dataclasses.dataclass(frozen=True)
+class LiveTiles:
+    """Which tiles of a product's left operand are not all zeros: ``flags[i // rows, j // cols]`` for element
+    (i, j) of A, with A's axes possibly swapped relative to the flag grid (``transposed``)."""
+
+    flags: torch.Tensor  # int8 [row tiles, col tiles], contiguous
+    rows: int
+    cols: int
+    transposed: bool = False
+
+
+def accumulate_product(
+    high: torch.Tensor,
+    low: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_rows: torch.Tensor | None = None,
+    live: LiveTiles | None = None,
+) -> None:
     """``high (+ low) += a @ b``, summed in fp32; ``low`` holds the compensation of a 16-bit ``high``.
 
-    ``high`` and ``low`` are contiguous [M, N]; ``a`` [M, K] and ``b`` [K, N] may be strided.
+    ``high`` and ``low`` are contiguous [M, N]; ``a`` [M, K] and ``b`` [K, N] may be strided. ``b_rows``
+    gathers B's rows (B = b[b_rows]); ``live`` lets the kernel skip A's all-zero tiles.
     """
     m_size, k_size = a.shape
     n_size = b.shape[1]
     blocks = _product_blocks(a.dtype)
     grid = (triton.cdiv(m_size, blocks["BLOCK_M"]) * triton.cdiv(n_size, blocks["BLOCK_N"]),)
+    live_m, live_k, stride_m, stride_k = 1, 1, 0, 0
+    if live is not None:
+        col_tiles = live.flags.shape[1]
+        live_m, live_k = (live.cols, live.rows) if live.transposed else (live.rows, live.cols)
+        stride_m, stride_k = (1, col_tiles) if live.transposed else (col_tiles, 1)
+        if live_m % blocks["BLOCK_M"] or live_k % blocks["BLOCK_K"]:
+            raise ValueError(f"product tiles {blocks} do not nest in the filter's {live_m}×{live_k} tiles")
     _accumulate_product_kernel[grid](
-        a, b, high, high if low is None else low, m_size, n_size, k_size,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), high.stride(0),
-        COMPENSATED=low is not None, IEEE=_ieee(a.dtype), **blocks,
+        a, b, high, high if low is None else low, b_rows, live.flags if live is not None else None,
+        m_size, n_size, k_size,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), high.stride(0), stride_m, stride_k,
+        COMPENSATED=low is not None, IEEE=_ieee(a.dtype), GATHER_B=b_rows is not None, SKIP=live is not None,
+        LIVE_M=live_m, LIVE_K=live_k, **blocks,
     )
 
 
@@ -295,6 +357,17 @@ def chunk_columns(n_rows: int, itemsize: int) -> int:
     return max(min(MIN_COLUMNS, CHUNK_COLUMNS), min(CHUNK_COLUMNS, fitting))
 
 
+def vocabulary_order(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Classes by descending mean logit over the rows, C·ē (+ b): the order in which filtered tiles cluster.
+
+    The mean logit is linear in the hidden states, so one matrix-vector product gives it (softcap, monotone,
+    keeps the order); no pass over the logits is needed."""
+    mean_logit = torch.mv(weight, hidden.mean(0, dtype=torch.float32).to(weight.dtype)).float()
+    if bias is not None:
+        mean_logit = mean_logit + bias.float()
+    return torch.argsort(mean_logit, descending=True)
+
+
 def backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -306,8 +379,14 @@ def backward(
     label_smoothing: float,
     softcap: float | None,
     needs: tuple[bool, bool, bool],
+    filter_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients w.r.t. hidden, weight, bias (empty where not needed); the reference's contract."""
+    """Gradients w.r.t. hidden, weight, bias (empty where not needed); the reference's contract.
+
+    ``filter_eps`` > 0 turns on the speed options of Wijmans et al. 2024 (§4.3): the vocabulary is walked in
+    descending order of its mean logit, so that the columns where some row's softmax is not negligible
+    cluster at the front, and tiles where every |softmax − target| is below ``filter_eps`` are dropped from
+    both gradient products. That changes the gradients by up to ``filter_eps`` per dropped logit."""
     n_rows, dim = hidden.shape
     n_cols = weight.shape[0]
     need_hidden, need_weight, need_bias = needs
@@ -318,23 +397,44 @@ def backward(
     compensation = torch.zeros_like(grad_hidden) if need_hidden and hidden.element_size() < 4 else None
     grad_weight = weight.new_empty(weight.shape) if need_weight else weight.new_empty(0)
     grad_bias = weight.new_zeros(n_cols, dtype=torch.float32) if need_bias else None
-    grid = (triton.cdiv(n_rows, blocks["BLOCK_N"]) * triton.cdiv(chunk, blocks["BLOCK_V"]),)
+    row_tiles, col_tiles = triton.cdiv(n_rows, blocks["BLOCK_N"]), triton.cdiv(chunk, blocks["BLOCK_V"])
+    grid = (row_tiles * col_tiles,)
+    filtering = filter_eps > 0.0
+    order = vocabulary_order(hidden, weight, bias) if filtering else None
+    live = hidden.new_empty((row_tiles, col_tiles), dtype=torch.int8) if filtering else None
     for start in range(0, n_cols, chunk):
         cols = min(chunk, n_cols - start)
         g = grad_chunk[:, :cols]
         launchable(_grad_logits_kernel)[grid](
-            hidden, weight, bias, targets, lse, grad_rows, grad_lse, g,
+            hidden, weight, bias, targets, lse, grad_rows, grad_lse, g, order, live,
             n_rows, n_cols, dim, start, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),
-            1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=_ieee(hidden.dtype), **blocks,
+            1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0, filter_eps,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=_ieee(hidden.dtype), FILTER=filtering,
+            **blocks,
         )
-        if need_weight:
+        classes = order[start : start + cols] if filtering else None
+        tiles = None
+        if filtering:  # the kernel numbered this chunk's tiles row-major over its own column tiles
+            chunk_tiles = triton.cdiv(cols, blocks["BLOCK_V"])
+            flags = live.view(-1)[: row_tiles * chunk_tiles].view(row_tiles, chunk_tiles)
+            tiles = LiveTiles(flags, blocks["BLOCK_N"], blocks["BLOCK_V"])
+        if need_weight and filtering:
+            rows_of_weight = torch.zeros((cols, dim), dtype=weight.dtype, device=weight.device)
+            accumulate_product(rows_of_weight, None, g.t(), hidden, live=dataclasses.replace(tiles, transposed=True))
+            grad_weight.index_copy_(0, classes, rows_of_weight)
+        elif need_weight:
             torch.mm(g.t(), hidden, out=grad_weight[start : start + cols])
-        if need_hidden:
+        if need_hidden and filtering:
+            accumulate_product(grad_hidden, compensation, g, weight, b_rows=classes, live=tiles)
+        elif need_hidden:
             accumulate_product(grad_hidden, compensation, g, weight[start : start + cols])
         if grad_bias is not None:
-            grad_bias[start : start + cols] = torch.sum(g, dim=0, dtype=torch.float32)
+            sums = torch.sum(g, dim=0, dtype=torch.float32)
+            if filtering:
+                grad_bias.index_copy_(0, classes, sums)
+            else:
+                grad_bias[start : start + cols] = sums
     return (
         grad_hidden,
         grad_weight,

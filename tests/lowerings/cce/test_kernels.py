@@ -133,3 +133,62 @@ def test_strided_inputs():
     ref_loss, ref_lse = reference.forward(hidden.double(), weight.double(), None, targets, -100, 0.0, None)
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def _filtered_reference(hidden, weight, bias, targets, lse, grad_rows, grad_lse, smoothing, softcap, eps, tile):
+    """Float64 gradients with the filter's semantics spelled out: columns in the mean-logit order, and every
+    tile × tile block (rows × sorted columns, within each backward chunk) whose contributing rows all have
+    |softmax − target| < eps dropped from the logit gradient."""
+    h, w = hidden.double(), weight.double()
+    b = None if bias is None else bias.double()
+    order = kernels.vocabulary_order(hidden, weight, bias)
+    logits = h @ w.t() + (b if b is not None else 0.0)
+    capped = torch.tanh(logits / softcap) if softcap else None
+    z = capped * softcap if softcap else logits
+    probs = torch.exp(z - lse.double()[:, None])
+    n, v = probs.shape
+    keep = torch.zeros(n, v, dtype=torch.float64, device=probs.device)
+    valid = targets != -100
+    keep[valid.nonzero()[:, 0], targets[valid]] = 1.0
+    target = (1 - smoothing) * keep + smoothing / v
+    grad = probs * (grad_rows + grad_lse)[:, None] - grad_rows[:, None] * target
+    if softcap:
+        grad = grad * (1 - capped**2)
+    contributing = ((grad_rows != 0) | (grad_lse != 0))[:, None]
+    distance = torch.where(contributing, (probs - target).abs(), 0.0)[:, order]
+    dead = torch.zeros_like(distance, dtype=torch.bool)
+    for start in range(0, v, kernels.CHUNK_COLUMNS):
+        for i in range(0, n, tile):
+            for j in range(start, min(start + kernels.CHUNK_COLUMNS, v), tile):
+                end = min(j + tile, start + kernels.CHUNK_COLUMNS, v)
+                dead[i : i + tile, j:end] = distance[i : i + tile, j:end].max() < eps
+    grad[:, order] = torch.where(dead, 0.0, grad[:, order])
+    return grad @ w, grad.t() @ h, grad.sum(0), dead.double().mean().item()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="tile sizes of the interpreter")
+@pytest.mark.parametrize(("bias", "softcap", "smoothing"), [(False, None, 0.0), (True, 4.0, 0.1)])
+def test_gradient_filter_drops_exactly_the_dead_tiles(bias, softcap, smoothing):
+    """eps → 0 keeps every tile (the sorted walk alone changes nothing); a large eps drops the tiles the rule
+    says, no more: the result equals float64 math with those tiles zeroed, and differs from the exact one."""
+    n, v, d = 37, 97, 19
+    hidden, weight, b, targets = _inputs(n, v, d, torch.float32, bias)
+    _, lse = kernels.forward_rows(hidden, weight, b, targets, -100, smoothing, softcap)
+    grad_rows, grad_lse = _upstream(targets, n)
+    needs = (True, True, bias)
+    run = lambda eps: kernels.backward(  # noqa: E731
+        hidden, weight, b, targets, lse, grad_rows.float(), grad_lse.float(), smoothing, softcap, needs, eps
+    )
+    exact = run(0.0)
+    for actual, ref in zip(run(1e-30), exact, strict=True):
+        if ref.numel():
+            assert _relative(actual, ref.double()) < 1e-5
+    eps = 0.12  # tiles without a target column die: about a quarter of them here
+    expected = _filtered_reference(hidden, weight, b, targets, lse, grad_rows, grad_lse, smoothing, softcap, eps, 16)
+    *expected_grads, dead_fraction = expected
+    assert 0.1 < dead_fraction < 0.9, dead_fraction
+    filtered = run(eps)
+    for name, actual, ref, full in zip(("hidden", "weight", "bias"), filtered, expected_grads, exact, strict=True):
+        if full.numel():
+            assert _relative(actual, ref) < 1e-5, name
+            assert _relative(full, ref) > 1e-4, name  # the filter did change this gradient
