@@ -22,6 +22,7 @@ ENV_INNER = "MEMOPT_INNER_COMPILER"
 ENV_MIN_SAVED = "MEMOPT_MIN_SAVED_BYTES"
 ENV_FORCE = "MEMOPT_FORCE"
 ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
+ENV_CCE_FILTER = "MEMOPT_CCE_FILTER_EPS"
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,9 @@ class Config:
         wta_crs_min_tokens: WTA-CRS only rewrites linears over at least this many token rows.
         wta_crs_winners: keep the deterministic "winner" rows (WTA-CRS); False samples every row (plain
             column-row sampling), for comparisons.
+        cce_filter_eps: CCE's gradient filter on CUDA: logit-gradient tiles whose every |softmax − target| is
+            below it are skipped (faster, approximate gradients). None or 0 keeps gradients exact; "auto" is
+            the input dtype's machine epsilon / 32, as Apple's CCE (2⁻¹² for bf16).
     """
 
     inner_compiler: str = "inductor"
@@ -57,6 +61,7 @@ class Config:
     wta_crs_budget: float | None = None
     wta_crs_min_tokens: int = 256
     wta_crs_winners: bool = True
+    cce_filter_eps: float | str | None = None
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
@@ -69,6 +74,10 @@ class Config:
             _check_type("wta_crs_budget", self.wta_crs_budget, (int, float))
             if isinstance(self.wta_crs_budget, bool) or not 0 < self.wta_crs_budget <= 1:
                 raise ConfigError(f"wta_crs_budget must be in (0, 1], got {self.wta_crs_budget!r}")
+        if self.cce_filter_eps is not None and self.cce_filter_eps != "auto":
+            _check_type("cce_filter_eps", self.cce_filter_eps, (int, float))
+            if isinstance(self.cce_filter_eps, bool) or not 0 <= self.cce_filter_eps < 1:
+                raise ConfigError(f"cce_filter_eps must be in [0, 1) or 'auto', got {self.cce_filter_eps!r}")
         if not all(isinstance(name, str) for name in self.disable):
             raise ConfigError(f"disable must name rules, got {sorted(map(repr, self.disable))}")
         if self.inner_compiler not in INNER_COMPILERS:
@@ -81,6 +90,14 @@ class Config:
 
     def rule_enabled(self, name: str) -> bool:
         return name not in self.disable
+
+    def cce_filter_for(self, dtype) -> float:
+        """The filter threshold for a CCE op computing in ``dtype`` (0: exact gradients)."""
+        if self.cce_filter_eps == "auto":
+            import torch
+
+            return torch.finfo(dtype).eps / 32
+        return float(self.cce_filter_eps or 0.0)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -122,6 +139,12 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             values["wta_crs_budget"] = float(env[ENV_WTA_BUDGET])
         except ValueError as e:
             raise ConfigError(f"{ENV_WTA_BUDGET} must be a number in (0, 1], got {env[ENV_WTA_BUDGET]!r}") from e
+    if env.get(ENV_CCE_FILTER):
+        text = env[ENV_CCE_FILTER]
+        try:
+            values["cce_filter_eps"] = text if text == "auto" else float(text)
+        except ValueError as e:
+            raise ConfigError(f"{ENV_CCE_FILTER} must be a number or 'auto', got {text!r}") from e
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):

@@ -511,6 +511,7 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             loss.reduction,
             float(loss.label_smoothing),
             candidate.softcap,
+            *([filter_eps] if (filter_eps := config.cce_filter_for(dtype)) else []),
         )
         result = _cast_like(add, add("call_function", operator.getitem, fused, 0), loss_node)
         replacements = [(loss_node, result)]

@@ -1,7 +1,7 @@
 """``torch.ops.memopt.cce``: linear + cross-entropy that never materializes the N×V logits.
 
     loss, lse = torch.ops.memopt.cce(hidden, weight, bias, targets, ignore_index, reduction,
-                                     label_smoothing, softcap)
+                                     label_smoothing, softcap, filter_eps=0.0)
 
 ``hidden`` is [N, D], ``weight`` the classifier [V, D], ``bias`` [V] or None, ``targets`` [N] class indices.
 ``loss`` is fp32 (fp64 for fp64 inputs): a scalar for "mean"/"sum", [N] for "none" (0 on ignored rows), exactly like
@@ -12,6 +12,11 @@ Autograd saves hidden, weight, bias, targets and the [N] log-sum-exp, never logi
 recomputes them chunk by chunk. On CUDA the forward is a Triton kernel that Inductor emits in its output
 code and the backward an opaque op running Triton kernels and GEMMs (``kernels.py``); on CPU both are the
 chunked PyTorch reference (``reference.py``).
+
+``filter_eps`` > 0 is a speed option of the CUDA backward (Wijmans et al. 2024, §4.3): logit-gradient tiles
+whose every |softmax − target| is below it are dropped, with the vocabulary walked in mean-logit order so
+that they cluster. The gradients then deviate by up to ``filter_eps`` per dropped logit; the loss is exact.
+The CPU reference ignores it (exact gradients).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ def cce_backward_rows(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    filter_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     needs = (need_hidden, need_weight, need_bias)
     return reference.backward(
@@ -90,7 +96,7 @@ def cce_backward_rows(
 
 @cce_backward_rows.register_fake
 def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-      need_hidden, need_weight, need_bias):
+      need_hidden, need_weight, need_bias, filter_eps=0.0):
     return _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -98,10 +104,10 @@ if HAS_TRITON:
 
     @cce_backward_rows.register_kernel("cuda")
     def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-          need_hidden, need_weight, need_bias):
+          need_hidden, need_weight, need_bias, filter_eps=0.0):
         needs = (need_hidden, need_weight, need_bias)
         return kernels.backward(
-            hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs
+            hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs, filter_eps
         )
 
 
@@ -164,8 +170,10 @@ def cce(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    filter_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    torch._check(filter_eps >= 0.0, lambda: "memopt.cce: filter_eps must be ≥ 0")
     targets = targets.long()  # any integer dtype, as PyTorch's cross_entropy accepts Byte as well as Long
     if HAS_TRITON and on_cuda(hidden, weight, targets):
         torch._assert_async(
@@ -196,19 +204,21 @@ def cce_backward(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
+    filter_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     targets = targets.long()
     grad_rows = _grad_rows(grad_loss, targets != ignore_index, reduction)
     return torch.ops.memopt.cce_backward_rows(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-        need_hidden, need_weight, need_bias,
+        need_hidden, need_weight, need_bias, filter_eps,
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap = inputs
+    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, filter_eps = inputs
     ctx.save_for_backward(hidden, weight, bias, targets, output[1])
     ctx.options = (ignore_index, reduction, label_smoothing, softcap)
+    ctx.filter_eps = filter_eps
 
 
 def _backward(ctx, grad_loss, grad_lse):
@@ -221,13 +231,13 @@ def _backward(ctx, grad_loss, grad_lse):
         grad_loss = lse.new_zeros(() if reduction != "none" else lse.shape)
     grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_backward(
         hidden, weight, bias, targets, lse, grad_loss, grad_lse, ignore_index, reduction, label_smoothing,
-        softcap, need_hidden, need_weight, need_bias and bias is not None,
+        softcap, need_hidden, need_weight, need_bias and bias is not None, ctx.filter_eps,
     )
     return (
         grad_hidden if need_hidden else None,
         grad_weight if need_weight else None,
         grad_bias if need_bias and bias is not None else None,
-        None, None, None, None, None,
+        None, None, None, None, None, None,
     )
 
 

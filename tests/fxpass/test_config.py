@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from fxpass.backend import split_options
 from fxpass.config import Config, ConfigError
@@ -45,7 +46,7 @@ class TestDefaults:
     def test_option_names(self):
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
-            "wta_crs_min_tokens", "wta_crs_winners",
+            "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps",
         }
 
 
@@ -119,6 +120,16 @@ class TestEnvironment:
     def test_force_invalid(self):
         with pytest.raises(ConfigError, match="MEMOPT_FORCE"):
             Config.from_options({}, env={"MEMOPT_FORCE": "2"})
+
+    def test_cce_filter_eps(self):
+        assert Config.from_options(env={"MEMOPT_CCE_FILTER_EPS": "0.001"}).cce_filter_eps == 0.001
+        assert Config.from_options(env={"MEMOPT_CCE_FILTER_EPS": "auto"}).cce_filter_for(torch.bfloat16) == 2**-12
+        assert Config.from_options(env={}).cce_filter_for(torch.bfloat16) == 0.0
+
+    @pytest.mark.parametrize("text", ["1.5", "-0.1", "lots"])
+    def test_cce_filter_eps_invalid(self, text):
+        with pytest.raises(ConfigError, match=r"cce_filter_eps|MEMOPT_CCE_FILTER_EPS"):
+            Config.from_options(env={"MEMOPT_CCE_FILTER_EPS": text})
 
 
 class TestOptions:

@@ -410,3 +410,23 @@ class TestDeclines(TestCase):
         record = ex.records[0]
         self.assertIn("s", record.saved_bytes)  # symbolic in the batch and sequence sizes
         self.assertGreater(record.saved_bytes_hint, batch * seq * vocab * 4)
+
+
+def test_filter_option_reaches_the_op():
+    """``cce_filter_eps`` (a CUDA speed option) is passed to the op: "auto" is the dtype's eps / 32; the default
+    passes nothing, so the exact op is called."""
+    hidden = torch.randn(4, 6, 8, requires_grad=True)
+    weight = nn.Parameter(torch.randn(50, 8))
+    targets = torch.randint(0, 50, (4, 6))
+
+    def step(hidden, targets):
+        return F.cross_entropy(F.linear(hidden, weight).view(-1, 50), targets.view(-1))
+
+    def op_args(**options):
+        code = after_code(rewritten(step, hidden, targets, **options))
+        call = code[code.index("torch.ops.memopt.cce.default(") :]
+        return call[: call.index(")")]
+
+    assert op_args().endswith("'mean', 0.0, None")
+    assert op_args(cce_filter_eps=0.25).endswith("'mean', 0.0, None, 0.25")
+    assert op_args(cce_filter_eps="auto").endswith(f"'mean', 0.0, None, {torch.finfo(torch.float32).eps / 32}")
