@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -85,6 +86,8 @@ def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:
         "torch eager": lambda: torch_eager,
         "torch.compile": lambda: torch.compile(torch_eager),
         "memopt (op)": lambda: linear_cross_entropy,
+        "memopt (op, filter 2^-12)": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-12),
+        "memopt (op, filter 2^-9)": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-9),
         "memopt (torch.compile rewrite)": lambda: torch.compile(torch_eager, backend=fxpass.memopt_backend),
         "apple cce": lambda: _apple("high"),
         "apple cce (no filter)": lambda: _apple(None),
