@@ -89,3 +89,26 @@ def test_memory_stays_below_logits():
     peak = torch.cuda.max_memory_allocated() - base
     gradient_bytes = sum(g.numel() * g.element_size() for g in grads)
     assert peak < gradient_bytes + n * v * 4 // 4, (peak, gradient_bytes)
+
+
+@pytest.mark.parametrize("eps", [1e-30, 2.0**-9])
+def test_gradient_filter_at_cuda_tile_sizes(eps):
+    """The sorted, filtered backward at the CUDA tiles equals float64 math with exactly the dead tiles dropped
+    (a vanishing eps drops none: the sorted walk alone must reproduce the exact gradients)."""
+    from lowerings.cce import kernels
+    from tests.lowerings.cce.test_kernels import _filtered_reference, _relative, _upstream
+
+    hidden, weight, bias, targets = _lm_batch(512, 3001, 64, torch.float32)
+    _, lse = kernels.forward_rows(hidden, weight, bias, targets, -100, 0.0, None)
+    grad_rows, grad_lse = _upstream(targets, 512)
+    blocks = kernels._blocks(torch.float32)
+    chunk = min(3001, kernels.chunk_columns(512, 4))
+    expected = _filtered_reference(
+        hidden, weight, bias, targets, lse, grad_rows, grad_lse, 0.0, None, eps, blocks["BLOCK_N"], blocks["BLOCK_V"],
+        chunk,
+    )
+    got = kernels.backward(
+        hidden, weight, bias, targets, lse, grad_rows.float(), grad_lse.float(), 0.0, None, (True, True, True), eps
+    )
+    for name, actual, ref in zip(("hidden", "weight", "bias"), got, expected[:3], strict=True):
+        assert _relative(actual, ref) < 1e-4, name

@@ -135,7 +135,9 @@ def test_strided_inputs():
     torch.testing.assert_close(lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-def _filtered_reference(hidden, weight, bias, targets, lse, grad_rows, grad_lse, smoothing, softcap, eps, tile):
+def _filtered_reference(
+    hidden, weight, bias, targets, lse, grad_rows, grad_lse, smoothing, softcap, eps, tile_rows, tile_cols, chunk
+):
     """Float64 gradients with the filter's semantics spelled out: columns in the mean-logit order, and every
     tile × tile block (rows × sorted columns, within each backward chunk) whose contributing rows all have
     |softmax − target| < eps dropped from the logit gradient."""
@@ -157,11 +159,11 @@ def _filtered_reference(hidden, weight, bias, targets, lse, grad_rows, grad_lse,
     contributing = ((grad_rows != 0) | (grad_lse != 0))[:, None]
     distance = torch.where(contributing, (probs - target).abs(), 0.0)[:, order]
     dead = torch.zeros_like(distance, dtype=torch.bool)
-    for start in range(0, v, kernels.CHUNK_COLUMNS):
-        for i in range(0, n, tile):
-            for j in range(start, min(start + kernels.CHUNK_COLUMNS, v), tile):
-                end = min(j + tile, start + kernels.CHUNK_COLUMNS, v)
-                dead[i : i + tile, j:end] = distance[i : i + tile, j:end].max() < eps
+    for start in range(0, v, chunk):
+        for i in range(0, n, tile_rows):
+            for j in range(start, min(start + chunk, v), tile_cols):
+                end = min(j + tile_cols, start + chunk, v)
+                dead[i : i + tile_rows, j:end] = distance[i : i + tile_rows, j:end].max() < eps
     grad[:, order] = torch.where(dead, 0.0, grad[:, order])
     return grad @ w, grad.t() @ h, grad.sum(0), dead.double().mean().item()
 
@@ -184,7 +186,9 @@ def test_gradient_filter_drops_exactly_the_dead_tiles(bias, softcap, smoothing):
         if ref.numel():
             assert _relative(actual, ref.double()) < 1e-5
     eps = 0.12  # tiles without a target column die: about a quarter of them here
-    expected = _filtered_reference(hidden, weight, b, targets, lse, grad_rows, grad_lse, smoothing, softcap, eps, 16)
+    expected = _filtered_reference(
+        hidden, weight, b, targets, lse, grad_rows, grad_lse, smoothing, softcap, eps, 16, 16, kernels.CHUNK_COLUMNS
+    )
     *expected_grads, dead_fraction = expected
     assert 0.1 < dead_fraction < 0.9, dead_fraction
     filtered = run(eps)
