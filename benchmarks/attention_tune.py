@@ -26,10 +26,12 @@ from lowerings.flash_attention import kernels
 
 log = logging.getLogger("benchmarks.attention_tune")
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): TMA loads q, k, v through tensor descriptors (Hopper).
 FORWARD = [
-    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3),
-    (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 4, 3), (64, 32, 4, 4),
+    (128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False), (128, 128, 8, 2, False),
+    (64, 64, 4, 3, False), (64, 128, 4, 3, False), (128, 64, 8, 4, False),
+    (128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True),
+    (128, 128, 8, 4, True),
 ]
 # (PINNED, SWEPT, num_warps, num_stages, ATOMIC_DQ): ATOMIC_DQ adds dQ from the dK/dV kernel with atomics
 # (FA2's five-GEMM scheme) instead of a second kernel that recomputes P and dP.
@@ -61,7 +63,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
     out, lse = kernels.forward(q, k, v, None, scale, causal, 0.0, None)
     rows = []
     for setting in FORWARD:
-        tiles = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), setting, strict=True))
+        tiles = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"), setting, strict=True))
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "forward", "setting": setting}
         try:
             with kernels.forced_tiles(forward=tiles):

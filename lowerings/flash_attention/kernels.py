@@ -180,12 +180,17 @@ def _forward_step(
     stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One key block of the online softmax: rescale sum and accumulator to the new row max, then add the block.
 
-    The sum uses the probabilities before dropout (it is the softmax's denominator); the accumulator after."""
+    The sum uses the probabilities before dropout (it is the softmax's denominator); the accumulator after.
+    With TMA, K and V are tensor descriptors (Hopper's tensor memory accelerator; zeros past the end)."""
     cols = start_n + tl.arange(0, BLOCK_N)
-    k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
+    if TMA:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+        k = K.load([start_n, 0])
+    else:
+        k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
     s = _base2_scores(
         q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale,
         MASKED, CAUSAL, HAS_BIAS, IEEE,
@@ -197,7 +202,10 @@ def _forward_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
         p = tl.where(_kept(seed, drop_rows[:, None] + cols[None, :], dropout_p), p, 0.0)
-    v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
+    if TMA:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+        v = V.load([start_n, 0])
+    else:
+        v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
     acc = acc * alpha[:, None] + _dot(p, v, IEEE)
     return acc, m_new, l_i
 
@@ -210,13 +218,30 @@ def _forward_kernel(
     n_heads, n_kv_heads, len_q, len_k, qk_scale, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see."""
+    """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see.
+
+    TMA: q, k and v come through tensor descriptors (needs HEAD_DIM = BLOCK_D and 16-byte aligned rows)."""
     qk_scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(dropout_p), as_fp32(keep_scale)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
-    q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
-    K += b * stride_kb + kv * stride_kh
-    V += b * stride_vb + kv * stride_vh
+    if TMA:
+        q = tl.make_tensor_descriptor(
+            Q + b * stride_qb + h * stride_qh, shape=[len_q, HEAD_DIM], strides=[stride_qt, 1],
+            block_shape=[BLOCK_M, HEAD_DIM],
+        ).load([start_m, 0])
+        K = tl.make_tensor_descriptor(
+            K + b * stride_kb + kv * stride_kh, shape=[len_k, HEAD_DIM], strides=[stride_kt, 1],
+            block_shape=[BLOCK_N, HEAD_DIM],
+        )
+        V = tl.make_tensor_descriptor(
+            V + b * stride_vb + kv * stride_vh, shape=[len_k, HEAD_DIM], strides=[stride_vt, 1],
+            block_shape=[BLOCK_N, HEAD_DIM],
+        )
+    else:
+        q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
+        K += b * stride_kb + kv * stride_kh
+        V += b * stride_vb + kv * stride_vh
     bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
     seed = _dropout_seed(Seed, HAS_DROPOUT)
     drop_rows = (bh * len_q + rows) * len_k
@@ -229,13 +254,13 @@ def _forward_kernel(
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
-            False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
     for start_n in range(free, end, BLOCK_N):
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
-            True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
 
     if HAS_DROPOUT:
@@ -559,6 +584,7 @@ def forward(
     out = q.new_empty((batch, n_heads, len_q, head_dim))
     lse = q.new_empty((batch, n_heads, len_q), dtype=torch.float32)
     tiles, _ = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    tma = tiles.pop("TMA", False) and _tma_ready(q, k, v)
     grid = (triton.cdiv(len_q, tiles["BLOCK_M"]) * batch * n_heads,)
     if grid[0] == 0:
         return out, lse
@@ -566,9 +592,31 @@ def forward(
         q, k, v, bias, out, lse, seed if dropout_p > 0.0 else None,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3],
         n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), dropout_p, 1.0 / (1.0 - dropout_p),
-        **_flags(q, bias, causal, dropout_p), **tiles,
+        **_flags(q, bias, causal, dropout_p), TMA=tma, **tiles,
     )
     return out, lse
+
+
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need a power-of-two head dim that is the whole tile, unit last strides, 16-byte
+    aligned rows and bases; and, on a GPU, an allocator for the descriptors' workspace (set here if none is)."""
+    head_dim = tensors[0].shape[-1]
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or any(s * size % 16 for s in t.stride()[:-1]) or t.storage_offset() * size % 16:
+            return False
+    if head_dim != _block_d(head_dim):
+        return False
+    if not interpreting():
+        from triton.runtime import _allocation
+
+        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            triton.set_allocator(_descriptor_workspace)
+    return True
+
+
+def _descriptor_workspace(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def backward(

@@ -284,3 +284,16 @@ def test_atomic_dq_with_dropout():
     with kernels.forced_tiles(backward={"PINNED": 16, "SWEPT": 16, "ATOMIC_DQ": True}):
         ours = _run(q, k, v, None, grad_out, d**-0.5, True, p, seed)
     _assert_fp32_close(ours, _reference(q, k, v, None, grad_out, d**-0.5, True, keep, p))
+
+
+@pytest.mark.parametrize("case", ["gqa", "gqa-causal-padded-d", "one-query-causal"])
+def test_tma_forward_matches_float64(case):
+    """The forward through tensor descriptors (Hopper's TMA) gives the same output and lse; a head dim that
+    is not a power of two (24) falls back to plain loads."""
+    shape, causal = CASES[case]["shape"], CASES[case]["causal"]
+    q, k, v, grad_out = _inputs(*shape)
+    scale = shape[-1] ** -0.5
+    assert kernels._tma_ready(q, k, v) == (shape[-1] == 16)
+    with kernels.forced_tiles(forward={"BLOCK_M": 16, "BLOCK_N": 16, "TMA": True}):
+        ours = _run(q, k, v, None, grad_out, scale, causal)
+    _assert_fp32_close(ours, _reference(q, k, v, None, grad_out, scale, causal))
