@@ -45,14 +45,15 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> 
     return kernels.gather_rows(x, index, weight) if _use_kernels(x) else reference.gather_rows(x, index, weight)
 
 
-def _period(x: torch.Tensor, period) -> object:
+def _period(x: torch.Tensor, period: int | torch.SymInt) -> int | torch.SymInt:
+    """The sequence length for positions: ``period`` if given (> 0 or symbolic), else x's second-last size."""
     if not isinstance(period, int) or period > 0:
         return period
     return x.shape[-2] if x.dim() >= 3 else 1
 
 
 def sample(
-    x: torch.Tensor, estimate: torch.Tensor, budget: float, period, winners: bool
+    x: torch.Tensor, estimate: torch.Tensor, budget: float, period: int | torch.SymInt, winners: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [k], weighted rows [k, D]) of the flattened tokens ``x`` [N, D] for this step.
 
