@@ -40,7 +40,10 @@ def _eager(q, k, v, bias, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("heads", "kv_heads", "queries", "keys", "dim"), [(8, 8, 1024, 1024, 128), (8, 2, 777, 1031, 64)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "queries", "keys", "dim"),
+    [(8, 8, 1024, 1024, 128), (8, 2, 777, 1031, 64), (4, 4, 300, 257, 256), (4, 2, 257, 300, 80), (4, 1, 129, 65, 16)],
+)
 @pytest.mark.parametrize(("causal", "with_bias"), [(False, False), (True, False), (False, True)])
 def test_no_worse_than_eager_same_dtype(dtype, heads, kv_heads, queries, keys, dim, causal, with_bias):
     """|ours − fp64| ≤ 2·|eager same dtype − fp64| + floor for the output and dq, dk, dv."""
@@ -61,6 +64,21 @@ def test_no_worse_than_eager_same_dtype(dtype, heads, kv_heads, queries, keys, d
         our_error = (mine.double() - truth).abs().max().item()
         eager_error = (theirs.double() - truth).abs().max().item()
         assert our_error <= 2 * eager_error + 1e-3, (name, our_error, eager_error)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_close_to_float64(causal):
+    """fp32 inputs at "highest" matmul precision take the IEEE path (small FMA tiles): close to float64."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, grad = (torch.randn(2, 4, 333, 96, device="cuda", generator=gen) for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = OP(*leaves, None, 96**-0.5, causal, 0.0)[0]
+    ours = (out, *torch.autograd.grad(out, leaves, grad))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    golden = _golden(*leaves64, None, causal)
+    expected = (golden, *torch.autograd.grad(golden, leaves64, grad.double()))
+    for name, mine, ref in zip(("out", "dq", "dk", "dv"), ours, expected, strict=True):
+        torch.testing.assert_close(mine.double(), ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("causal", [False, True])
