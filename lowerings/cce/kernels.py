@@ -181,6 +181,28 @@ def _grad_logits_kernel(
 
 
 @triton.jit
+def _product_step(
+    acc, a_rows, B, BRows, k, k_size, m_ok, n_ok, rn, stride_ak, stride_bk, stride_bn,
+    GATHER_B: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """acc += A[rows, k:k+BLOCK_K] @ B[k:k+BLOCK_K, cols] in fp32 (B's rows gathered through BRows)."""
+    rk = k + tl.arange(0, BLOCK_K)
+    k_ok = rk < k_size
+    a = tl.load(a_rows + rk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    if GATHER_B:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+        b_rows = tl.load(BRows + rk, mask=k_ok, other=0).to(tl.int64)
+    else:
+        b_rows = rk.to(tl.int64)
+    b_ok = k_ok[:, None] & n_ok[None, :]
+    b = tl.load(B + b_rows[:, None] * stride_bk + rn[None, :] * stride_bn, mask=b_ok, other=0.0)
+    if IEEE:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _accumulate_product_kernel(
     A, B, High, Low, BRows, Live, m_size, n_size, k_size,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, live_stride_m, live_stride_k,
@@ -216,26 +238,16 @@ def _accumulate_product_kernel(
     if COMPENSATED:
         acc += tl.load(Low + offsets, mask=out_ok, other=0.0).to(tl.float32)
     a_rows = A + rm.to(tl.int64)[:, None] * stride_am
-    live_row = (pid_m * BLOCK_M // LIVE_M) * live_stride_m
-    for k in range(0, k_size, BLOCK_K):
-        if SKIP:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
-            live = tl.load(Live + live_row + (k // LIVE_K) * live_stride_k) != 0
-        else:
-            live = True
-        if live:
-            rk = k + tl.arange(0, BLOCK_K)
-            k_ok = rk < k_size
-            a = tl.load(a_rows + rk[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if GATHER_B:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
-                b_rows = tl.load(BRows + rk, mask=k_ok, other=0).to(tl.int64)
-            else:
-                b_rows = rk.to(tl.int64)
-            b = tl.load(B + b_rows[:, None] * stride_bk + rn[None, :] * stride_bn,
-                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if IEEE:  # noqa: SIM108  (a constexpr branch in Triton JIT code)
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+    if SKIP:
+        live_row = (pid_m * BLOCK_M // LIVE_M) * live_stride_m
+        for k in range(0, k_size, BLOCK_K):
+            if tl.load(Live + live_row + (k // LIVE_K) * live_stride_k) != 0:
+                acc = _product_step(acc, a_rows, B, BRows, k, k_size, m_ok, n_ok, rn, stride_ak, stride_bk,
+                                    stride_bn, GATHER_B, IEEE, BLOCK_K)
+    else:  # the exact path: the plain pipelined loop, no branch inside
+        for k in range(0, k_size, BLOCK_K):
+            acc = _product_step(acc, a_rows, B, BRows, k, k_size, m_ok, n_ok, rn, stride_ak, stride_bk, stride_bn,
+                                GATHER_B, IEEE, BLOCK_K)
     high = acc.to(High.dtype.element_ty)  # round to nearest on GPUs (Triton's CPU interpreter truncates)
     tl.store(High + offsets, high, mask=out_ok)
     if COMPENSATED:
