@@ -196,3 +196,12 @@ def test_gradient_filter_drops_exactly_the_dead_tiles(bias, softcap, smoothing):
         if full.numel():
             assert _relative(actual, ref) < 1e-5, name
             assert _relative(full, ref) > 1e-4, name  # the filter did change this gradient
+
+
+def test_filter_tiles_must_nest():
+    """A product whose tiles straddle the filter's tiles could skip live values: refused, not risked."""
+    a = torch.zeros(40, 40, device=DEVICE)
+    live = kernels.LiveTiles(torch.ones(4, 4, dtype=torch.int8, device=DEVICE), rows=10, cols=10)
+    with pytest.raises(ValueError, match="do not nest"):
+        kernels.accumulate_product(torch.zeros(40, 8, device=DEVICE), None, a, torch.zeros(40, 8, device=DEVICE),
+                                   live=live)

@@ -297,3 +297,12 @@ def test_tma_forward_matches_float64(case):
     with kernels.forced_tiles(forward={"BLOCK_M": 16, "BLOCK_N": 16, "TMA": True}):
         ours = _run(q, k, v, None, grad_out, scale, causal)
     _assert_fp32_close(ours, _reference(q, k, v, None, grad_out, scale, causal))
+
+
+def test_tma_needs_aligned_rows_and_a_power_of_two_head_dim():
+    q = torch.randn(1, 2, 9, 16, device=DEVICE)
+    assert kernels._tma_ready(q, q, q)
+    shifted = torch.randn(1 + q.numel(), device=DEVICE)[1:].view(q.shape)  # its base 4 bytes off alignment
+    assert not kernels._tma_ready(shifted, q, q)
+    assert not kernels._tma_ready(torch.randn(1, 2, 9, 24, device=DEVICE), q, q)  # 24 is not a power of two
+    assert not kernels._tma_ready(q.transpose(-1, -2), q, q)  # last dim not unit-stride
