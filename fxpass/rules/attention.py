@@ -9,7 +9,7 @@ BERT's additive padding mask), scaling by multiplication or division (or none, a
 provably causal (``fxpass.masks``) becomes a flag, so no T×T tensor is materialized at all; any other mask is
 passed as an additive bias, learned ones (T5) included: the op returns their gradient.
 ``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left alone, with the reason
-recorded.
+recorded, unless they are handed a materialized mask that is provably causal (then the flag replaces it).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxpass import masks, shapes
 from fxpass.config import Config
@@ -112,13 +113,50 @@ def match(facts: GraphFacts) -> list[AttentionMatch]:
             if candidate is not None:
                 found.append(candidate)
         elif is_call(node, *SDPA_TARGETS):
-            found.append(
-                AttentionMatch(
-                    node,
-                    blocker="F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is",
-                )
-            )
+            found.append(_match_sdpa(node, facts))
     return found
+
+
+SDPA_FUSED = "F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is"
+
+
+def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
+    """An SDPA call is worth rewriting only when it is handed a materialized mask that is provably causal:
+    the flag replaces the mask (and its construction), and the kernel skips the blocks above the diagonal."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    bound = bind_args(node, names, defaults)
+    mask = bound.get("attn_mask") if bound else None
+    if bound is None or not isinstance(mask, fx.Node) or bound["is_causal"] is not False:
+        return AttentionMatch(node, blocker=SDPA_FUSED)
+    mask_value = tensor_value(mask)
+    causal = (
+        masks.causal_kind(mask, facts.real_value) == masks.ALLOWED
+        if mask_value is not None and mask_value.dtype == torch.bool
+        else _causal_additive(mask, facts.real_value)
+    )
+    if not causal:
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (its mask is not provably causal)")
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    values = [tensor_value(t) if isinstance(t, fx.Node) else None for t in (q, k, v)]
+    head_dim = shapes.constant(values[0].shape[-1]) if values[0] is not None else None
+    if any(t is None or t.dim() != 4 for t in values) or head_dim is None:
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (not 4-D q, k, v with a static head dim)")
+    if not isinstance(bound["dropout_p"], float | int) or not isinstance(bound["scale"], float | int | None):
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (dropout or scale is not a constant)")
+    if not bound["enable_gqa"] and not statically_known_true(values[0].shape[1] == values[1].shape[1]):
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (query and key heads differ without enable_gqa)")
+    scale = float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5
+    candidate = AttentionMatch(
+        node, chain=(node,), output=node, q=q, k=k, v=v, scale=scale, causal=True,
+        dropout_p=float(bound["dropout_p"]), mask_nodes=(mask,),
+    )
+    blocker = _blocker(candidate)
+    return dataclasses.replace(candidate, blocker=blocker) if blocker else candidate
+
+
+def _is_sdpa(node: fx.Node) -> bool:
+    return is_call(node, *SDPA_TARGETS)
 
 
 def _is_softmax_over_last_dim(node: fx.Node) -> bool:
@@ -448,6 +486,9 @@ def memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
     """What softmax and the two matmuls keep for backward, against the flash op's log-sum-exp."""
     from lowerings.flash_attention.op import working_set
 
+    if _is_sdpa(candidate.softmax):
+        return _sdpa_memory_model(candidate)
+
     probs = tensor_value(candidate.softmax)
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
     scores = shapes.numel(probs)
@@ -519,9 +560,23 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
     erase_unused([*candidate.chain, *_inputs_left_dead(candidate), *_mask_construction(candidate)])
 
 
+def _sdpa_memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
+    """SDPA keeps O(T) either way; what the rewrite frees is the causal mask, if nothing else reads it."""
+    from lowerings.flash_attention.op import working_set
+
+    q, k = tensor_value(candidate.q), tensor_value(candidate.k)
+    (mask,) = candidate.mask_nodes
+    only_here = all(user is candidate.softmax for user in mask.users) and mask.op != "placeholder"
+    before = {f"transient: the causal mask {mask.name}, no longer built": shapes.nbytes(tensor_value(mask))
+              if only_here else 0}
+    return shapes.MemoryModel(before, working_set(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device))
+
+
 def _inputs_left_dead(candidate: AttentionMatch) -> list[fx.Node]:
     """kᵀ and HF's repeat_kv copies of k and v, which only the replaced matmuls read."""
     first, last = candidate.chain[0], candidate.chain[-1]
+    if _is_sdpa(first):
+        return []
     if _einsum_form(first) is not None or _einsum_form(last) is not None:
         return []  # einsum reads k and v as they are
     found = [first.args[1]] if isinstance(first.args[1], fx.Node) else []

@@ -217,8 +217,28 @@ class TestDeclines(TestCase):
         self.assertExpectedInline(record_lines(rewritten(fn, *_qkv())), """attention applied=False proof=None: the attention scores/probabilities (probs) are also returned from the compiled graph, so they stay alive""")
 
     def test_sdpa_left_alone(self):
-        ex = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), *_qkv())
-        self.assertExpectedInline(record_lines(ex), """attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is""")
+        """SDPA with is_causal or a mask that is not provably causal is already O(T): declined with why."""
+        q, k, v = _qkv()
+        padding = torch.ones(B, 1, 1, T, dtype=torch.bool)
+        padding[1, ..., -2:] = False
+        ex = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
+        ex_padded = rewritten(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, k, v, padding)
+        self.assertExpectedInline(record_lines(ex) + "\n" + record_lines(ex_padded), """\
+attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is
+attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask is not provably causal)""")
+
+    def test_sdpa_with_a_materialized_causal_mask_gets_the_flag(self):
+        """SDPA handed tril(ones) as a boolean mask: rewritten with the causal flag, the mask no longer built."""
+
+        def fn(q, k, v):
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        ex = _check(fn, *_qkv())
+        (record,) = _attention_records(ex)
+        self.assertTrue(record.applied)
+        self.assertEqual(record.params["mask"], "causal (flag)")
+        self.assertNotIn("tril", after_code(ex))
 
     def test_softmax_that_is_not_attention(self):
         gate = nn.Linear(D, 4)
