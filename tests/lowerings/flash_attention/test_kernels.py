@@ -92,14 +92,20 @@ CASES = {
 }
 
 
+ATOMIC_DQ = {"PINNED": 16, "SWEPT": 16, "ATOMIC_DQ": True}
+
+
+@pytest.mark.parametrize("backward", [None, ATOMIC_DQ], ids=["two-kernel", "atomic-dq"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_fp32_matches_float64(case):
-    """fp32 operands multiply exactly (IEEE), so out, lse and all gradients agree with float64 to fp32 rounding."""
+def test_fp32_matches_float64(case, backward):
+    """fp32 operands multiply exactly (IEEE), so out, lse and all gradients agree with float64 to fp32 rounding;
+    the one-kernel backward (dQ added with atomics from the dK/dV kernel) gives the same gradients."""
     b, hq, _, tq, tk, d = case["shape"]
     q, k, v, grad_out = _inputs(*case["shape"])
     bias = None if case["bias"] is None else case["bias"](b, hq, tq, tk)
     scale = d**-0.5
-    ours = _run(q, k, v, bias, grad_out, scale, case["causal"])
+    with kernels.forced_tiles(backward=backward):
+        ours = _run(q, k, v, bias, grad_out, scale, case["causal"])
     _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, scale, case["causal"]))
     assert ours[0].is_contiguous() and all(g.is_contiguous() for g in ours[2])
 
@@ -264,24 +270,12 @@ def test_bias_gradient_is_ds(causal, dropout_p):
     torch.testing.assert_close(dbias.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_atomic_dq_matches_float64(case):
-    """The one-kernel backward (dQ added with atomics from the dK/dV kernel) gives the same gradients."""
-    b, hq, _, tq, tk, d = case["shape"]
-    q, k, v, grad_out = _inputs(*case["shape"])
-    bias = None if case["bias"] is None else case["bias"](b, hq, tq, tk)
-    scale = d**-0.5
-    with kernels.forced_tiles(backward={"PINNED": 16, "SWEPT": 16, "ATOMIC_DQ": True}):
-        ours = _run(q, k, v, bias, grad_out, scale, case["causal"])
-    _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, scale, case["causal"]))
-
-
 def test_atomic_dq_with_dropout():
     b, hq, hk, tq, tk, d = 1, 2, 1, 21, 19, 16
     q, k, v, grad_out = _inputs(b, hq, hk, tq, tk, d, seed=4)
     seed, p = _seed(9), 0.3
     keep = kernels.dropout_keep_mask(seed, b, hq, tq, tk, p, DEVICE)
-    with kernels.forced_tiles(backward={"PINNED": 16, "SWEPT": 16, "ATOMIC_DQ": True}):
+    with kernels.forced_tiles(backward=ATOMIC_DQ):
         ours = _run(q, k, v, None, grad_out, d**-0.5, True, p, seed)
     _assert_fp32_close(ours, _reference(q, k, v, None, grad_out, d**-0.5, True, keep, p))
 
