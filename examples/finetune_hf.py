@@ -21,7 +21,6 @@ import argparse
 import copy
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from examples.train_gpt import build_dataset, get_batch, saved_tensor_bytes, stdlib_sources
+from examples.train_gpt import Run, build_dataset, get_batch, measure_memory, stdlib_sources, warm_up
 from fxpass.shapes import format_bytes
 
 log = logging.getLogger("finetune_hf")
@@ -79,36 +78,22 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, tokens
 
 
-def train(model, backend, tokens, args, device) -> dict[str, Any]:
-    """Compile the loss with ``backend``, train ``--steps`` steps; losses, saved bytes, peak, time per step."""
+def train(name: str, model, backend, tokens, args, device) -> dict[str, Any]:
+    """Compile the loss with ``backend``, train ``--steps`` steps with the demo's ``Run`` (AdamW, gradients
+    clipped at 1.0); losses, saved bytes, CUDA peak, time per step."""
     model = model.to(device).train()
-    step = torch.compile(lambda ids: model(input_ids=ids, labels=ids).loss, backend=backend)
+    step = torch.compile(lambda ids, _: model(input_ids=ids, labels=ids).loss, backend=backend)  # HF shifts
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    run = Run(name, model, step, optimizer)
     batches = torch.Generator().manual_seed(args.seed)
     ids, _ = get_batch(tokens, args.batch_size, args.seq_len, batches, device)
-    step(ids).backward()  # compile first: its tracing would be counted otherwise
-    model.zero_grad(set_to_none=True)
-    saved = saved_tensor_bytes(lambda x, _: step(x), ids, ids)
-    model.zero_grad(set_to_none=True)
-    peak = None
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        step(ids).backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
-        model.zero_grad(set_to_none=True)
-    losses, start = [], time.perf_counter()
+    warm_up(run, ids, ids)  # compile first: its tracing would be counted otherwise
+    memory = measure_memory([run], ids, ids)
     for _ in range(args.steps):
         ids, _ = get_batch(tokens, args.batch_size, args.seq_len, batches, device)
-        loss = step(ids)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return {"losses": losses, "saved_bytes": saved, "peak_bytes": peak,
-            "ms_per_step": 1000 * (time.perf_counter() - start) / max(1, args.steps)}
+        run.train_step(ids, ids)
+    return {"losses": run.losses, "saved_bytes": memory["saved_tensor_bytes"][run.name],
+            "peak_bytes": memory["peak_bytes"].get(run.name), "ms_per_step": 1000 * run.seconds / max(1, args.steps)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -121,9 +106,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options = {} if args.wta_budget is None else {"wta_crs_budget": args.wta_budget}
     fxpass.clear_reports()
     baseline_model = copy.deepcopy(model)
-    results = {"memopt": train(model, fxpass.MemoptBackend(options=options), tokens, args, device)}
+    results = {"memopt": train("memopt", model, fxpass.MemoptBackend(options=options), tokens, args, device)}
     reports = list({report.graph_id: report for report in fxpass.reports()}.values())  # the last of recompiles
-    results["torch.compile"] = train(baseline_model, "inductor", tokens, args, device)
+    results["torch.compile"] = train("torch.compile", baseline_model, "inductor", tokens, args, device)
 
     for report in reports:
         print(report.table())
