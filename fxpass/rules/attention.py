@@ -112,7 +112,7 @@ def match(facts: GraphFacts) -> list[AttentionMatch]:
             candidate = _match_softmax(node, facts)
             if candidate is not None:
                 found.append(candidate)
-        elif is_call(node, *SDPA_TARGETS):
+        elif _is_sdpa(node):
             found.append(_match_sdpa(node, facts))
     return found
 

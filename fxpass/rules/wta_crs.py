@@ -274,9 +274,9 @@ def _estimate_node(gm: fx.GraphModule, candidate: WtaMatch, fake_mode, first: fx
     """The group's gradient-norm estimate as a buffer of the graph module, so that AOTAutograd lifts it as an
     input (the backward updates it in place) and CUDA graphs read it at a fixed address. Created now, outside
     any capture; recompiles of the same model reuse it (``lowerings/wta_crs/state.py``)."""
-    from lowerings.wta_crs.state import prepare
+    from lowerings.wta_crs.state import estimate
 
-    values = prepare(candidate.key, tensor_value(candidate.input).device)
+    values = estimate(candidate.key, tensor_value(candidate.input).device).values
     name = next(f"memopt_wta_estimate_{i}" for i in itertools.count() if not hasattr(gm, f"memopt_wta_estimate_{i}"))
     gm.register_buffer(name, values)
     if isinstance(getattr(gm, "_param_name_to_source", None), dict):

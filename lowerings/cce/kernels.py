@@ -437,10 +437,9 @@ def backward(
             grad_weight.index_copy_(0, classes, rows_of_weight)
         elif need_weight:
             torch.mm(g.t(), hidden, out=grad_weight[start : start + cols])
-        if need_hidden and filtering:
-            accumulate_product(grad_hidden, compensation, g, weight, b_rows=classes, live=tiles)
-        elif need_hidden:
-            accumulate_product(grad_hidden, compensation, g, weight[start : start + cols])
+        if need_hidden:  # filtered: B's rows are the chunk's classes, gathered from the whole classifier
+            b = weight if filtering else weight[start : start + cols]
+            accumulate_product(grad_hidden, compensation, g, b, b_rows=classes, live=tiles)
         if grad_bias is not None:
             sums = torch.sum(g, dim=0, dtype=torch.float32)
             if filtering:

@@ -1,14 +1,13 @@
-"""Per-group running gradient-norm estimates, kept outside the graph.
+"""Per-group running gradient-norm estimates: process state that the compiled graphs read and update.
 
-The estimate steers sampling probabilities only (never the expected gradient), so it is process state, like
-an optimizer's step counter, rather than a graph input: the backward op updates it in place and the next
-step's forward reads it. Keys name a group of linears (their weights' graph names), so recompiles of the same
-model share one estimate.
+The estimate steers sampling probabilities only (never the expected gradient), so it lives like an
+optimizer's step counter: the backward updates it in place and the next step's forward reads it. Keys name a
+group of linears (their weights' graph names), so recompiles of the same model share one estimate.
 
 Under CUDA graphs (``mode="reduce-overhead"``) the captured kernels read and write the estimate at a fixed
 address, and a tensor first allocated during the warm-up run would land in the graphs' private memory pool.
-So the rule creates each estimate when it rewrites the graph (``prepare``) and registers it as a buffer of the
-graph module; ``reset`` zeroes estimates in place instead of dropping them.
+So the rule creates each estimate when it rewrites the graph and registers it as a buffer of the graph
+module; ``reset`` zeroes estimates in place instead of dropping them.
 """
 
 from __future__ import annotations
@@ -29,11 +28,6 @@ def estimate(key: str, device: torch.device) -> GradNormEstimate:
     if slot not in _ESTIMATES:
         _ESTIMATES[slot] = GradNormEstimate.empty(device)
     return _ESTIMATES[slot]
-
-
-def prepare(key: str, device: torch.device) -> torch.Tensor:
-    """The estimate's values, created now: at compile time, outside any CUDA-graph capture or its memory pool."""
-    return estimate(key, device).values
 
 
 def reset(key: str | None = None) -> None:
