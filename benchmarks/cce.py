@@ -86,14 +86,17 @@ def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:
         "torch eager": lambda: torch_eager,
         "torch.compile": lambda: torch.compile(torch_eager),
         "memopt (op)": lambda: linear_cross_entropy,
-        "memopt (op, filter 2^-12)": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-12),
-        "memopt (op, filter 2^-9)": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-9),
+        "memopt (op) filter 2^-12": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-12),
+        "memopt (op) filter 2^-9": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-9),
         "memopt (torch.compile rewrite)": lambda: torch.compile(torch_eager, backend=fxpass.memopt_backend),
         "apple cce": lambda: _apple("high"),
         "apple cce (no filter)": lambda: _apple(None),
         "liger": _liger,
         "F.linear_cross_entropy": _torch_linear_cross_entropy,
     }
+    unknown = (include or set()) - found.keys()
+    if unknown:  # a misspelt name would otherwise drop a method from the table without a word
+        raise SystemExit(f"unknown methods {sorted(unknown)}; known: {sorted(found)}")
     return {name: f for name, f in found.items() if include is None or name in include}
 
 

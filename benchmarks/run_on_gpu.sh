@@ -9,8 +9,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
-  || echo "editable install failed (backend='memopt' by name unavailable); see install.log"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/memopt_install.log 2>&1 \
+  || echo "editable install failed (backend='memopt' by name unavailable); see /tmp/memopt_install.log"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
 import torch, triton
@@ -20,7 +20,7 @@ print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.ve
 print("optimization_hint:", hasattr(symbolic_shapes, "optimization_hint"), "size_hint:", hasattr(symbolic_shapes, "size_hint"))
 PY
 if [ "${MEMOPT_GPU_TESTS:-1}" = 1 ]; then
-  timeout "${MEMOPT_TEST_TIMEOUT:-300}" python3 -m pytest tests/lowerings -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  timeout "${MEMOPT_TEST_TIMEOUT:-300}" python3 -m pytest tests/lowerings -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 for cmd in "$@"; do
   echo "== $cmd"
