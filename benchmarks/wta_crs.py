@@ -35,12 +35,13 @@ log = logging.getLogger("benchmarks.wta_crs")
 GiB = 1 << 30
 
 
-def build(name: str, tiny: bool):
-    """(model, masked_lm) for a named configuration, random init."""
+def build(name: str, tiny: bool, layers: int | None = None):
+    """(model, masked_lm) for a named configuration, random init; ``layers`` overrides the depth."""
     import transformers
 
     if name == "gpt2-medium":
         sizes = dict(n_layer=2, n_embd=64, n_head=2) if tiny else dict(n_layer=24, n_embd=1024, n_head=16)
+        sizes["n_layer"] = layers or sizes["n_layer"]
         config = transformers.GPT2Config(
             vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **sizes
         )
@@ -48,10 +49,10 @@ def build(name: str, tiny: bool):
         model.loss_type = "ForCausalLM"
         return model, False
     if name == "bert-base":
-        sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128)
-        config = transformers.BertConfig(
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **(sizes if tiny else {})
-        )
+        sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128) if tiny else {}
+        if layers:
+            sizes["num_hidden_layers"] = layers
+        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **sizes)
         return transformers.BertForMaskedLM(config), True
     raise SystemExit(f"unknown model {name!r}")
 

@@ -1,51 +1,154 @@
-"""Where a WTA-CRS linear's time goes, against a plain linear, at a GPT-2-medium MLP shape (CUDA).
+"""Where WTA-CRS's extra step time goes: a compiled fine-tuning step profiled with and without it.
 
-    python benchmarks/wta_crs_profile.py --tokens 16384 --d-in 1024 --d-out 4096
+    python benchmarks/wta_crs_profile.py                              # GPT-2-medium width, 6 layers, 32 × 512
+    python benchmarks/wta_crs_profile.py --model bert-base --layers 12
+    python benchmarks/wta_crs_profile.py --tiny --device cpu          # a smoke run of the script itself
 
-Prints the median fwd+bwd time of both and the profiler's top CUDA kernels and CPU ops for the sampled one.
+Both variants compile the same loss-only step as ``benchmarks/wta_crs.py`` (same models, bf16 autocast,
+AdamW); ``--layers`` cuts the stack so that compiling takes seconds, not minutes (the overhead is per group
+of linears, so it scales with the layer count). For each variant it prints the median step time, the kernel
+time and launch count per step from ``torch.profiler``, then the kernels whose time per step grew most with
+WTA-CRS, and the overhead per rewritten group.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import logging
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lowerings  # noqa: F401
+import fxpass
+from benchmarks._common import release_memory
+from benchmarks.wta_crs import backends, batch, build
+from lowerings.wta_crs import reset_estimates
+
+log = logging.getLogger("benchmarks.wta_crs_profile")
 
 
-def main(argv: list[str] | None = None) -> None:
-    import triton.testing
+def kernel_times(profile, device: torch.device, steps: int) -> dict[str, tuple[float, float]]:
+    """Kernel (or, on CPU, operator) name → (µs per step, calls per step), from self times."""
+    found: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    for event in profile.key_averages():
+        if device.type == "cuda":
+            if event.device_type != DeviceType.CUDA:
+                continue
+            spent = getattr(event, "self_device_time_total", None) or event.self_cuda_time_total
+        else:
+            spent = event.self_cpu_time_total
+        found[event.key][0] += spent / steps
+        found[event.key][1] += event.count / steps
+    return {name: (spent, calls) for name, (spent, calls) in found.items()}
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--d-in", type=int, default=1024)
-    parser.add_argument("--d-out", type=int, default=4096)
+
+def profile_variant(name: str, backend, args, device: torch.device) -> tuple[float, dict, int]:
+    """(median step ms, kernel table, WTA-CRS groups rewritten) of one variant."""
+    torch.manual_seed(0)
+    reset_estimates()
+    fxpass.clear_reports()
+    model, masked_lm = build(args.model, args.tiny, layers=args.layers)
+    model.to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    step = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend=backend)
+    generator = torch.Generator().manual_seed(0)
+
+    def train_step() -> None:
+        ids, labels = batch(model.config.vocab_size, args.batch, args.seq, masked_lm, device, generator)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = step(ids, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(3):  # compile, then let the optimizer state appear
+        train_step()
+    times = []
+    for _ in range(args.steps):
+        synchronize()
+        start = time.perf_counter()
+        train_step()
+        synchronize()
+        times.append(1000 * (time.perf_counter() - start))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(args.profile_steps):
+            train_step()
+        synchronize()
+    latest = {report.graph_id: report for report in fxpass.reports()}.values()
+    groups = sum(r.rule == "wta_crs" and r.applied for report in latest for r in report.records)
+    optimizer.state.clear()
+    log.info("%s: %.1f ms per step", name, statistics.median(times))
+    return statistics.median(times), kernel_times(profile, device, args.profile_steps), groups
+
+
+def report(results: dict[str, tuple[float, dict, int]], top: int) -> str:
+    (base_name, (base_ms, base, _)), (wta_name, (wta_ms, wta, groups)) = results.items()
+    lines = ["| variant | step (ms) | kernel time per step (ms) | launches per step | WTA-CRS groups |",
+             "|---|---|---|---|---|"]
+    for name, (ms, table, count) in results.items():
+        spent = sum(s for s, _ in table.values()) / 1000
+        calls = sum(c for _, c in table.values())
+        lines.append(f"| {name} | {ms:.1f} | {spent:.1f} | {calls:.0f} | {count} |")
+    extra = {k: (wta.get(k, (0, 0))[0] - base.get(k, (0, 0))[0], wta.get(k, (0, 0))[1] - base.get(k, (0, 0))[1])
+             for k in set(wta) | set(base)}
+    lines += ["", f"Largest changes per step, {wta_name} − {base_name}:", "",
+              "| kernel | Δ µs per step | Δ calls per step |", "|---|---|---|"]
+    for name, (spent, calls) in sorted(extra.items(), key=lambda item: -abs(item[1][0]))[:top]:
+        lines.append(f"| `{name[:90]}` | {spent:+.0f} | {calls:+.0f} |")
+    if groups:
+        step_extra = wta_ms - base_ms
+        kernel_extra = sum(s for s, _ in extra.values()) / 1000
+        lines += ["", f"Per group ({groups} groups): {step_extra / groups * 1000:+.0f} µs of step time, "
+                  f"{kernel_extra / groups * 1000:+.0f} µs of kernel time."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-medium")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget", type=float, default=0.3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead"')
+    parser.add_argument("--tiny", action="store_true", help="small widths: check the script, not the numbers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
-    x = torch.randn(args.tokens // 512, 512, args.d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(args.d_out, args.d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(args.tokens // 512, 512, args.d_out, device="cuda", dtype=torch.bfloat16)
-    op = torch.ops.memopt.wta_crs_linears.default
-
-    def plain():
-        torch.autograd.backward(torch.nn.functional.linear(x, w), grad)
-
-    def sampled():
-        torch.autograd.backward(op(x, [w], [], [-1], args.budget, 0, "profile", True)[0], grad)
-
-    for name, fn in (("plain linear", plain), ("WTA-CRS linear", sampled)):
-        print(f"{name}: {triton.testing.do_bench(fn, warmup=20, rep=200, return_mode='median'):.3f} ms fwd+bwd")
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(10):
-            sampled()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("fxpass").setLevel(logging.WARNING)
+    device = torch.device(args.device)
+    variants = backends([args.budget], args.mode)
+    chosen = {name: variants[name] for name in ("memopt", f"memopt + WTA-CRS {args.budget}")}
+    results = {}
+    for name, backend in chosen.items():
+        results[name] = profile_variant(name, backend, args, device)
+        release_memory()  # the variant's model and graphs went out of scope on return
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    text = (f"WTA-CRS step profile, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}; "
+            f"{args.model} × {args.layers} layers, batch {args.batch} × {args.seq}, budget {args.budget}\n\n"
+            + report(results, args.top))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "wta_crs_profile.md").write_text(text + "\n")
+    print(text)
+    return text
 
 
 if __name__ == "__main__":
