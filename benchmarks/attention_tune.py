@@ -26,12 +26,17 @@ from lowerings.flash_attention import kernels
 
 log = logging.getLogger("benchmarks.attention_tune")
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA): TMA loads q, k, v through tensor descriptors (Hopper).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, WARP_SPECIALIZE): TMA loads q, k, v through tensor
+# descriptors (Hopper); WARP_SPECIALIZE splits the key loop into load and math warp groups.
+FORWARD_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA", "WARP_SPECIALIZE")
 FORWARD = [
-    (128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False), (128, 128, 8, 2, False),
-    (64, 64, 4, 3, False), (64, 128, 4, 3, False), (128, 64, 8, 4, False),
-    (128, 128, 8, 3, True), (128, 128, 8, 2, True), (128, 64, 8, 3, True), (128, 64, 4, 3, True),
-    (128, 128, 8, 4, True),
+    (128, 64, 8, 3, False, False), (128, 64, 4, 3, False, False), (128, 128, 8, 3, False, False),
+    (128, 128, 8, 2, False, False), (64, 64, 4, 3, False, False), (64, 128, 4, 3, False, False),
+    (128, 64, 8, 4, False, False),
+    (128, 128, 8, 3, True, False), (128, 128, 8, 2, True, False), (128, 64, 8, 3, True, False),
+    (128, 64, 4, 3, True, False),
+    (128, 128, 8, 3, False, True), (128, 128, 8, 3, True, True), (128, 64, 4, 3, True, True),
+    (128, 128, 4, 2, True, True), (128, 64, 8, 3, True, True),
 ]
 # (PINNED, SWEPT, num_warps, num_stages, ATOMIC_DQ): ATOMIC_DQ adds dQ from the dK/dV kernel with atomics
 # (FA2's five-GEMM scheme) instead of a second kernel that recomputes P and dP.
@@ -63,7 +68,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
     out, lse = kernels.forward(q, k, v, None, scale, causal, 0.0, None)
     rows = []
     for setting in FORWARD:
-        tiles = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "TMA"), setting, strict=True))
+        tiles = dict(zip(FORWARD_KEYS, setting, strict=True))
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "forward", "setting": setting}
         try:
             with kernels.forced_tiles(forward=tiles):

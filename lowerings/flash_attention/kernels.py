@@ -218,11 +218,13 @@ def _forward_kernel(
     n_heads, n_kv_heads, len_q, len_k, qk_scale, dropout_p, keep_scale,
     HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see.
 
-    TMA: q, k and v come through tensor descriptors (needs HEAD_DIM = BLOCK_D and 16-byte aligned rows)."""
+    TMA: q, k and v come through tensor descriptors (needs HEAD_DIM = BLOCK_D and 16-byte aligned rows).
+    WARP_SPECIALIZE: Triton splits the unmasked key loop into producer (loads) and consumer (math) warp groups
+    (``tl.range(warp_specialize=...)``; on Hopper, triton ≥ 3.4)."""
     qk_scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(dropout_p), as_fp32(keep_scale)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     if TMA:
@@ -250,7 +252,7 @@ def _forward_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     free, end = _key_range(start_m, len_k, CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, free, BLOCK_N):
+    for start_n in tl.range(0, free, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
@@ -522,7 +524,8 @@ _FORCED_TILES: contextvars.ContextVar[tuple[dict | None, dict | None]] = context
 def forced_tiles(forward: dict | None = None, backward: dict | None = None) -> Iterator[None]:
     """Launch with these settings instead of ``_tiles``' choice: for tile sweeps and the numerics study.
 
-    forward: BLOCK_M, BLOCK_N, num_warps, num_stages; backward: PINNED, SWEPT, num_warps, num_stages."""
+    forward: BLOCK_M, BLOCK_N, num_warps, num_stages, and optionally TMA and WARP_SPECIALIZE; backward: PINNED,
+    SWEPT, num_warps, num_stages, and optionally ATOMIC_DQ."""
     token = _FORCED_TILES.set((forward, backward))
     try:
         yield
@@ -585,6 +588,7 @@ def forward(
     lse = q.new_empty((batch, n_heads, len_q), dtype=torch.float32)
     tiles, _ = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
     tma = tiles.pop("TMA", False) and _tma_ready(q, k, v)
+    warp_specialize = tiles.pop("WARP_SPECIALIZE", False)
     grid = (triton.cdiv(len_q, tiles["BLOCK_M"]) * batch * n_heads,)
     if grid[0] == 0:
         return out, lse
@@ -592,7 +596,7 @@ def forward(
         q, k, v, bias, out, lse, seed if dropout_p > 0.0 else None,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3],
         n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), dropout_p, 1.0 / (1.0 - dropout_p),
-        **_flags(q, bias, causal, dropout_p), TMA=tma, **tiles,
+        **_flags(q, bias, causal, dropout_p), TMA=tma, WARP_SPECIALIZE=warp_specialize, **tiles,
     )
     return out, lse
 

@@ -293,6 +293,18 @@ def test_tma_forward_matches_float64(case):
     _assert_fp32_close(ours, _reference(q, k, v, None, grad_out, scale, causal))
 
 
+@pytest.mark.parametrize(("case", "tma"), [("gqa-causal-padded-d", False), ("gqa", True)], ids=["plain-loads", "tma"])
+def test_warp_specialized_forward_matches_float64(case, tma):
+    """The warp-specialized key loop (opt-in) computes the same attention, with plain loads or descriptors."""
+    shape, causal = CASES[case]["shape"], CASES[case]["causal"]
+    q, k, v, grad_out = _inputs(*shape)
+    assert kernels._tma_ready(q, k, v) == tma
+    scale = shape[-1] ** -0.5
+    with kernels.forced_tiles(forward={"BLOCK_M": 16, "BLOCK_N": 16, "TMA": tma, "WARP_SPECIALIZE": True}):
+        ours = _run(q, k, v, None, grad_out, scale, causal)
+    _assert_fp32_close(ours, _reference(q, k, v, None, grad_out, scale, causal))
+
+
 def test_tma_needs_aligned_rows_and_a_power_of_two_head_dim():
     q = torch.randn(1, 2, 9, 16, device=DEVICE)
     assert kernels._tma_ready(q, q, q)
