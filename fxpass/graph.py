@@ -65,6 +65,37 @@ def bind_args(node: fx.Node, names: Sequence[str], defaults: dict[str, Any] | No
 # --- view-like ops: ops that move, cast or reshape a tensor without computing on its values ---------------
 
 
+# Operator dunders a Dynamo graph may call as methods (torch 2.11 writes ``mask == 0`` as ``mask.__eq__(0)``;
+# 2.13 as ``operator.eq``), with the function each stands for and whether its operands are reflected.
+_OPERATOR_DUNDERS: dict[str, tuple[Callable[..., Any], bool]] = {
+    **{f"__{name}__": (getattr(operator, name, None) or getattr(operator, name + "_"), False) for name in (
+        "eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+        "and", "or", "xor", "getitem", "invert", "neg", "pos", "abs",
+    )},
+    **{f"__r{name}__": (getattr(operator, name, None) or getattr(operator, name + "_"), True) for name in (
+        "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+    )},
+}
+
+
+def canonicalize_operator_methods(graph: fx.Graph) -> int:
+    """Rewrite ``x.__eq__(y)``-style method calls on tensors into ``operator.eq(x, y)``; return how many.
+
+    Rules then match one spelling whatever the torch version traced (see ``_OPERATOR_DUNDERS``)."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op != "call_method" or node.kwargs or node.target not in _OPERATOR_DUNDERS:
+            continue
+        function, reflected = _OPERATOR_DUNDERS[node.target]
+        if tensor_value(node.args[0]) is None or len(node.args) > 2:
+            continue
+        node.op, node.target = "call_function", function
+        if reflected and len(node.args) == 2:
+            node.args = (node.args[1], node.args[0])
+        changed += 1
+    return changed
+
+
 class ViewKind(enum.Enum):
     CAST = "cast"  # dtype change: .float(), .to(dtype), .type(dtype)
     COPY = "copy"  # same values: .contiguous(), .clone()

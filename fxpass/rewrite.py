@@ -17,7 +17,7 @@ import torch.fx as fx
 import lowerings  # noqa: F401  (registers torch.ops.memopt.*, which rewritten graphs call)
 from fxpass import shapes
 from fxpass.config import Config
-from fxpass.graph import GraphFacts, source_location
+from fxpass.graph import GraphFacts, canonicalize_operator_methods, source_location
 from fxpass.report import GraphReport, RewriteRecord, current_graph_id, graph_code
 from fxpass.rules import RULES, Decision, Rule
 
@@ -37,6 +37,7 @@ def rewrite_graph(
     ``example_inputs`` (the backend's real inputs) let rules read constant buffers such as a causal mask.
     """
     report = GraphReport(current_graph_id(), [], before=graph_code(gm) if keep_code else None)
+    canonicalize_operator_methods(gm.graph)
     for rule in RULES:
         if config.rule_enabled(rule.name):
             report.records.extend(_run_rule(rule, gm, config, example_inputs))

@@ -15,6 +15,7 @@ from fxpass.graph import (
     GraphFacts,
     ViewKind,
     bind_args,
+    canonicalize_operator_methods,
     describe_node,
     erase_unused,
     fake_mode_of,
@@ -306,3 +307,37 @@ class TestInsertNode:
         graph = fx.Graph()
         graph.output(graph.placeholder("x"))
         assert fake_mode_of(graph.nodes) is None
+
+
+class TestCanonicalizeOperatorMethods:
+    """Dunder method calls on tensors become the operator functions rules match, reflected ones with their
+    operands swapped; a dunder on a non-tensor or with keywords is left alone."""
+
+    def test_rewrites(self):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        x.meta["example_value"] = torch.ones(3)
+        eq = graph.call_method("__eq__", (x, 0))
+        rsub = graph.call_method("__rsub__", (x, 1))
+        inverted = graph.call_method("__invert__", (eq,))
+        eq.meta["example_value"] = torch.ones(3, dtype=torch.bool)
+        kept = graph.call_method("__add__", (x,), {"alpha": 2})
+        graph.output((rsub, inverted, kept))
+        assert canonicalize_operator_methods(graph) == 3
+        assert (eq.op, eq.target, eq.args) == ("call_function", operator.eq, (x, 0))
+        assert (rsub.target, rsub.args) == (operator.sub, (1, x))
+        assert (inverted.target, inverted.args) == (operator.invert, (eq,))
+        assert (kept.op, kept.target) == ("call_method", "__add__")
+
+    def test_the_rewritten_graph_computes_the_same(self):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        x.meta["example_value"] = torch.ones(3)
+        graph.output(graph.call_method("__rtruediv__", (x, 2.0)))
+        module = fx.GraphModule(torch.nn.Module(), graph)
+        values = torch.tensor([1.0, 2.0, 4.0])
+        expected = module(values)
+        canonicalize_operator_methods(graph)
+        module.recompile()
+        torch.testing.assert_close(module(values), expected)
+        torch.testing.assert_close(expected, 2.0 / values)

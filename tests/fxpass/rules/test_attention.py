@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 import transformers
 from expecttest import TestCase
 
+import fxpass
 from tests.helpers import after_code, assert_close_all, grads, record_lines, rewritten
 
 B, H, T, D = 2, 2, 6, 8
@@ -68,6 +70,26 @@ class GraphModule(torch.nn.Module):
         flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.35355339059327373, True, 0.0);  l_q_ = l_k_ = l_v_ = None
         getitem_1: "f32[2, 2, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
         return (getitem_1,)""")
+
+    def test_mask_comparison_spelled_as_a_method_call(self):
+        """torch 2.11's Dynamo writes ``mask == 0`` as ``mask.__eq__(0)``; the causal flag must not depend on it."""
+        spelled = []
+
+        def as_torch_2_11(gm, example_inputs):
+            for node in gm.graph.nodes:
+                if node.target is operator.eq:  # torch ≥ 2.12's spelling
+                    node.op, node.target = "call_method", "__eq__"
+                if node.target == "__eq__":
+                    spelled.append(node.name)
+            gm.recompile()
+            return fxpass.MemoptBackend(options={"strict": True, "force": True})(gm, example_inputs)
+
+        fxpass.clear_reports()
+        q, k, v = _qkv()
+        torch.testing.assert_close(torch.compile(NanoAttention(), backend=as_torch_2_11)(q, k, v), NanoAttention()(q, k, v))
+        records = [r for report in fxpass.reports() for r in report.records if r.rule == "attention"]
+        self.assertTrue(spelled)
+        self.assertEqual([(r.applied, r.params["causal"]) for r in records], [(True, True)])
 
     def test_inline_tril_and_division(self):
         def fn(q, k, v):
@@ -307,7 +329,7 @@ def test_hf_t5_learned_position_bias_and_causal_decoder():
     torch.manual_seed(0)
     config = transformers.T5Config(
         vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
-        attn_implementation="eager", decoder_start_token_id=0, pad_token_id=0,
+        attn_implementation="eager", decoder_start_token_id=0, pad_token_id=0, use_cache=False,
     )
     model = transformers.T5ForConditionalGeneration(config)
     ids, labels = torch.randint(1, 384, (2, 12)), torch.randint(1, 384, (2, 7))
