@@ -271,7 +271,7 @@ def test_attention_output_is_kept_by_flash_attention():
 
 @pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
 def test_no_recompiles_across_batch_sizes(inner):
-    """Symbolic token counts reach the sample size, winner threshold and draws without guards, through Inductor too."""
+    """Symbolic token counts reach the sample size, top-k and draws without guards, through Inductor too."""
     block = Block()
     backend = fxpass.MemoptBackend(options=ON | {"force": True, "inner_compiler": inner})
     step = torch.compile(lambda x: block(x).sum(), backend=backend, dynamic=True)
