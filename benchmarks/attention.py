@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
 import lowerings  # noqa: F401
-from benchmarks._common import error_note, release_memory
+from benchmarks._common import cuda_peak, error_note, release_memory
 
 log = logging.getLogger("benchmarks.attention")
 MiB = 1 << 20
@@ -122,12 +122,8 @@ def measure(name: str, factory, shape: tuple[int, int, int, int], causal: bool, 
             return torch.autograd.grad(out, [q, k, v], grad)
 
         forward_backward()  # compile / warm up
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        forward_backward()
-        torch.cuda.synchronize()
-        result.peak_mib = (torch.cuda.max_memory_allocated() - base) / MiB
+        _, peak, before = cuda_peak(forward_backward)
+        result.peak_mib = (peak - before) / MiB
         with torch.no_grad():
             result.forward_ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=50, rep=300, return_mode="median")
         result.fwd_bwd_ms = triton.testing.do_bench(forward_backward, warmup=50, rep=300, return_mode="median")
@@ -168,12 +164,8 @@ def _model_result(name: str, backend, causal_len: int, dtype) -> Result:
             step(x, x).backward()
 
         train()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        train()
-        torch.cuda.synchronize()
-        result.peak_mib = (torch.cuda.max_memory_allocated() - base) / MiB
+        _, peak, before = cuda_peak(train)
+        result.peak_mib = (peak - before) / MiB
         result.fwd_bwd_ms = triton.testing.do_bench(train, warmup=20, rep=200, return_mode="median")
     except Exception as error:
         result.note = error_note(error)

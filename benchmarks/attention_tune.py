@@ -40,6 +40,7 @@ FORWARD = [
 ]
 # (PINNED, SWEPT, num_warps, num_stages, ATOMIC_DQ): ATOMIC_DQ adds dQ from the dK/dV kernel with atomics
 # (FA2's five-GEMM scheme) instead of a second kernel that recomputes P and dP.
+BACKWARD_KEYS = ("PINNED", "SWEPT", "num_warps", "num_stages", "ATOMIC_DQ")
 BACKWARD = [
     (128, 32, 8, 2, False), (128, 32, 8, 3, False), (128, 64, 8, 2, False), (64, 64, 4, 2, False),
     (64, 32, 4, 3, False), (128, 64, 8, 1, False),
@@ -80,7 +81,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
         rows.append(row)
         log.info("%s", row)
     for setting in BACKWARD:
-        tiles = dict(zip(("PINNED", "SWEPT", "num_warps", "num_stages", "ATOMIC_DQ"), setting, strict=True))
+        tiles = dict(zip(BACKWARD_KEYS, setting, strict=True))
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "backward", "setting": setting}
         try:
             with kernels.forced_tiles(backward=tiles):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import error_note, release_memory
+from benchmarks._common import cuda_peak, error_note, release_memory
 from lowerings.cce import linear_cross_entropy
 
 log = logging.getLogger("benchmarks.cce")
@@ -179,12 +179,8 @@ def measure(fn: LossFn, e, c, t, kind: str, ref, warmup_ms: int, rep_ms: int) ->
     del outputs
     gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    outputs = run()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / MiB
-    found = {"peak_mib": peak, "loss_error": abs(outputs[0].float().item() - ref[0].item())}
+    outputs, peak, before = cuda_peak(run)
+    found = {"peak_mib": (peak - before) / MiB, "loss_error": abs(outputs[0].float().item() - ref[0].item())}
     if kind == "loss+grad":
         found["grad_e_error"] = _relative(outputs[1], ref[1])
         found["grad_c_error"] = _relative(outputs[2], ref[2])

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import error_note, release_memory
+from benchmarks._common import cuda_peak, error_note, release_memory
 from lowerings.wta_crs import reset_estimates
 
 log = logging.getLogger("benchmarks.wta_crs")
@@ -90,12 +90,15 @@ class Result:
     note: str = ""
 
 
-def measure(name: str, variant: str, backend, args, device) -> Result:
-    result = Result(name, variant, args.batch, args.seq)
+def training_step(name: str, backend, args, device: torch.device, layers: int | None = None):
+    """(train_step(batch size), optimizer) for a fresh model: one compiled AdamW step under bf16 autocast.
+
+    Seeds, gradient-norm estimates and memopt's reports start afresh, so every variant sees the same weights
+    and batches. The batch dimension is marked dynamic: two batch sizes share one graph."""
     torch.manual_seed(0)
     reset_estimates()
     fxpass.clear_reports()
-    model, masked_lm = build(name, args.tiny)
+    model, masked_lm = build(name, args.tiny, layers)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     vocab = model.config.vocab_size
@@ -114,15 +117,23 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return train_step, optimizer
+
+
+def wta_groups() -> int:
+    """Groups of linears WTA-CRS rewrote, over the latest report of each graph."""
+    latest = {report.graph_id: report for report in fxpass.reports()}.values()
+    return sum(r.rule == "wta_crs" and r.applied for report in latest for r in report.records)
+
+
+def measure(name: str, variant: str, backend, args, device) -> Result:
+    result = Result(name, variant, args.batch, args.seq)
+    train_step, optimizer = training_step(name, backend, args, device)
+
     def peak_of(size: int) -> tuple[int, int]:
         if device.type != "cuda":
             return 0, 0
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        train_step(size)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        _, peak, before = cuda_peak(lambda: train_step(size))
         return peak, peak - before
 
     try:
@@ -143,8 +154,7 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
             per_sample = (peak - small_peak) / (args.batch - max(1, args.batch // 2))
             capacity = 0.95 * torch.cuda.get_device_properties(device).total_memory
             result.max_batch = int(args.batch + (capacity - peak) / per_sample)
-        latest = {report.graph_id: report for report in fxpass.reports()}.values()
-        result.wta_groups = sum(r.rule == "wta_crs" and r.applied for report in latest for r in report.records)
+        result.wta_groups = wta_groups()
     except torch.OutOfMemoryError:
         result.note = "out of memory"
     except Exception as error:

@@ -4,9 +4,9 @@
     python benchmarks/wta_crs_profile.py --model bert-base --layers 12
     python benchmarks/wta_crs_profile.py --tiny --device cpu          # a smoke run of the script itself
 
-Both variants compile the same loss-only step as ``benchmarks/wta_crs.py`` (same models, bf16 autocast,
-AdamW); ``--layers`` cuts the stack so that compiling takes seconds, not minutes (the overhead is per group
-of linears, so it scales with the layer count). For each variant it prints the median step time, the kernel
+Both variants compile the same loss-only step as ``benchmarks/wta_crs.py`` (its ``training_step``);
+``--layers`` cuts the stack so that compiling takes seconds, not minutes (the overhead is per group of
+linears, so it scales with the layer count). For each variant it prints the median step time, the kernel
 time and launch count per step from ``torch.profiler``, then the kernels whose time per step grew most with
 WTA-CRS, and the overhead per rewritten group.
 """
@@ -26,10 +26,8 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import fxpass
 from benchmarks._common import release_memory
-from benchmarks.wta_crs import backends, batch, build
-from lowerings.wta_crs import reset_estimates
+from benchmarks.wta_crs import backends, training_step, wta_groups
 
 log = logging.getLogger("benchmarks.wta_crs_profile")
 
@@ -51,34 +49,19 @@ def kernel_times(profile, device: torch.device, steps: int) -> dict[str, tuple[f
 
 def profile_variant(name: str, backend, args, device: torch.device) -> tuple[float, dict, int]:
     """(median step ms, kernel table, WTA-CRS groups rewritten) of one variant."""
-    torch.manual_seed(0)
-    reset_estimates()
-    fxpass.clear_reports()
-    model, masked_lm = build(args.model, args.tiny, layers=args.layers)
-    model.to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    step = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend=backend)
-    generator = torch.Generator().manual_seed(0)
-
-    def train_step() -> None:
-        ids, labels = batch(model.config.vocab_size, args.batch, args.seq, masked_lm, device, generator)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = step(ids, labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    train_step, optimizer = training_step(args.model, backend, args, device, layers=args.layers)
 
     def synchronize() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
     for _ in range(3):  # compile, then let the optimizer state appear
-        train_step()
+        train_step(args.batch)
     times = []
     for _ in range(args.steps):
         synchronize()
         start = time.perf_counter()
-        train_step()
+        train_step(args.batch)
         synchronize()
         times.append(1000 * (time.perf_counter() - start))
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -86,10 +69,9 @@ def profile_variant(name: str, backend, args, device: torch.device) -> tuple[flo
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as profile:
         for _ in range(args.profile_steps):
-            train_step()
+            train_step(args.batch)
         synchronize()
-    latest = {report.graph_id: report for report in fxpass.reports()}.values()
-    groups = sum(r.rule == "wta_crs" and r.applied for report in latest for r in report.records)
+    groups = wta_groups()
     optimizer.state.clear()
     log.info("%s: %.1f ms per step", name, statistics.median(times))
     return statistics.median(times), kernel_times(profile, device, args.profile_steps), groups
@@ -103,8 +85,11 @@ def report(results: dict[str, tuple[float, dict, int]], top: int) -> str:
         spent = sum(s for s, _ in table.values()) / 1000
         calls = sum(c for _, c in table.values())
         lines.append(f"| {name} | {ms:.1f} | {spent:.1f} | {calls:.0f} | {count} |")
-    extra = {k: (wta.get(k, (0, 0))[0] - base.get(k, (0, 0))[0], wta.get(k, (0, 0))[1] - base.get(k, (0, 0))[1])
-             for k in set(wta) | set(base)}
+    def change(kernel: str) -> tuple[float, float]:
+        (wta_spent, wta_calls), (base_spent, base_calls) = wta.get(kernel, (0.0, 0.0)), base.get(kernel, (0.0, 0.0))
+        return wta_spent - base_spent, wta_calls - base_calls
+
+    extra = {kernel: change(kernel) for kernel in wta.keys() | base.keys()}
     lines += ["", f"Largest changes per step, {wta_name} − {base_name}:", "",
               "| kernel | Δ µs per step | Δ calls per step |", "|---|---|---|"]
     for name, (spent, calls) in sorted(extra.items(), key=lambda item: -abs(item[1][0]))[:top]:
