@@ -55,8 +55,9 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
 
 
-def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) -> list[dict]:
-    """One row per setting: TFLOP/s and the max deviation from SDPA's output or gradient."""
+def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype,
+          passes: tuple[str, ...] = ("forward", "backward")) -> list[dict]:
+    """One row per setting of each pass: TFLOP/s and the max deviation from SDPA's output or gradient."""
     b, h, t, d = shape
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     gen = torch.Generator(device="cuda").manual_seed(t)
@@ -68,7 +69,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
         expected_dq = torch.autograd.grad(expected, leaves[0], grad)[0]
     out, lse = kernels.forward(q, k, v, None, scale, causal, 0.0, None)
     rows = []
-    for setting in FORWARD:
+    for setting in FORWARD if "forward" in passes else ():
         tiles = dict(zip(FORWARD_KEYS, setting, strict=True))
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "forward", "setting": setting}
         try:
@@ -80,7 +81,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype) ->
             row["note"] = error_note(error)
         rows.append(row)
         log.info("%s", row)
-    for setting in BACKWARD:
+    for setting in BACKWARD if "backward" in passes else ():
         tiles = dict(zip(BACKWARD_KEYS, setting, strict=True))
         row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "backward", "setting": setting}
         try:
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="4x16x4096x128,8x16x2048x64,2x16x8192x128")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--passes", default="forward,backward", help="which kernels to sweep")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
         for causal in (False, True):
-            rows += sweep(shape, causal, getattr(torch, args.dtype))
+            rows += sweep(shape, causal, getattr(torch, args.dtype), tuple(args.passes.split(",")))
     (args.out / "attention_tune.json").write_text(json.dumps(rows, indent=2))
     for key in sorted({(r["shape"], r["causal"], r["pass"]) for r in rows}):
         ranked = sorted((r for r in rows if (r["shape"], r["causal"], r["pass"]) == key and "tflops" in r),
