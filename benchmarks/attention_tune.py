@@ -37,6 +37,9 @@ FORWARD = [
     (128, 64, 4, 3, True, False),
     (128, 128, 8, 3, False, True), (128, 128, 8, 3, True, True), (128, 64, 4, 3, True, True),
     (128, 128, 4, 2, True, True), (128, 64, 8, 3, True, True),
+    # small tiles for head dim 256 (pinned D-wide tiles and accumulators fill shared memory and registers)
+    (64, 64, 8, 2, False, False), (64, 64, 4, 2, False, False), (64, 32, 4, 2, False, False),
+    (128, 32, 8, 2, False, False), (128, 64, 8, 2, False, False),
 ]
 # (PINNED, SWEPT, num_warps, num_stages, ATOMIC_DQ): ATOMIC_DQ adds dQ from the dK/dV kernel with atomics
 # (FA2's five-GEMM scheme) instead of a second kernel that recomputes P and dP.
@@ -46,6 +49,8 @@ BACKWARD = [
     (64, 32, 4, 3, False), (128, 64, 8, 1, False),
     (128, 64, 8, 2, True), (128, 32, 8, 2, True), (64, 64, 4, 2, True), (128, 64, 8, 3, True),
     (64, 32, 4, 3, True), (128, 128, 8, 2, True),
+    (64, 16, 8, 2, False), (64, 32, 8, 2, False), (64, 32, 4, 2, False), (32, 32, 4, 2, False),
+    (32, 64, 4, 2, False), (32, 64, 8, 2, False), (64, 64, 8, 1, False), (64, 32, 8, 1, False),
 ]
 
 
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--shapes", default="4x16x4096x128,8x16x2048x64,2x16x8192x128")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--passes", default="forward,backward", help="which kernels to sweep")
+    parser.add_argument("--causal", default="no,yes", help="no, yes or both (no,yes)")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
-        for causal in (False, True):
+        for causal in [{"no": False, "yes": True}[c] for c in args.causal.split(",")]:
             rows += sweep(shape, causal, getattr(torch, args.dtype), tuple(args.passes.split(",")))
     (args.out / "attention_tune.json").write_text(json.dumps(rows, indent=2))
     for key in sorted({(r["shape"], r["causal"], r["pass"]) for r in rows}):

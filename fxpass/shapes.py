@@ -46,6 +46,11 @@ def expr(value: IntLike) -> sympy.Expr:
     return sympy.Integer(value)
 
 
+def proved(condition: bool | torch.SymBool) -> bool:
+    """Whether ``condition`` holds for every shape, decided without installing a guard."""
+    return bool(symbolic_shapes.statically_known_true(condition))
+
+
 def render(value: IntLike) -> str:
     """``value`` as a short string, e.g. ``'1608224*s27*s53 - 4096'``."""
     return str(sympy.expand(expr(value)))

@@ -183,12 +183,14 @@ def _compute_dtype(members: tuple[Member, ...]) -> torch.dtype:
 
 
 def _sequence_source(x: fx.Node) -> fx.Node:
-    """A tensor whose dimension -2 is the sequence: ``x`` if 3-D or more, else what a flattening view read."""
+    """A tensor whose dimension -2 is the sequence: ``x`` if 3-D or more, else what a view flattening only the
+    leading dimensions read (so that the sequence length divides the number of token rows)."""
     value = tensor_value(x)
     if value.dim() >= 3:
         return x
     source = x.args[0] if view_kind(x) is not None and isinstance(x.args[0], fx.Node) else None
-    if source is not None and tensor_value(source) is not None and tensor_value(source).dim() >= 3:
+    found = tensor_value(source) if source is not None else None
+    if found is not None and found.dim() >= 3 and shapes.proved(found.shape[-1] == value.shape[-1]):
         return source
     return x
 

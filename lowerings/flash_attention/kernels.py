@@ -482,8 +482,8 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     for dK/dV) against SWEPT streamed rows. ``extras`` (a bias or dropout) adds a tile of bias values or Philox
     state to every step, so those launches get more warps or narrower streamed tiles.
 
-    16-bit without extras, D ≤ 128: the fastest settings of ``benchmarks/attention_tune.py`` on the H200
-    (BENCHMARKS.md). The others come from offline sm_90 compiles (ptxas -v): within 255 registers a thread with
+    16-bit without extras: the fastest settings of ``benchmarks/attention_tune.py`` on the H200 (BENCHMARKS.md;
+    D = 256 from a non-causal sweep). The others come from offline sm_90 compiles (ptxas -v): within 255 registers a thread with
     no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
     (pinned + stages · 2 · streamed) · D elements, within Hopper's 227 KB. fp32 at "highest"
     precision multiplies on the FMA units, which need small tiles.
@@ -506,9 +506,12 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     elif block_d <= 128:
         (fwd_m, fwd_n), (pinned, swept) = (128, 128), (64, 64)
         fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 4, 3, 2
-    else:
-        (fwd_m, fwd_n), (pinned, swept) = (64, 32 if extras else 64), (64, 16)
+    elif extras:
+        (fwd_m, fwd_n), (pinned, swept) = (64, 32), (64, 16)
         fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 8, 2, 2
+    else:
+        (fwd_m, fwd_n), (pinned, swept) = (128, 64), (32, 64)
+        fwd_warps, bwd_warps, fwd_stages, bwd_stages = 8, 4, 2, 2
     return (
         {"BLOCK_M": fwd_m, "BLOCK_N": fwd_n, "num_warps": fwd_warps, "num_stages": fwd_stages},
         {"PINNED": pinned, "SWEPT": swept, "num_warps": bwd_warps, "num_stages": bwd_stages},

@@ -1,6 +1,6 @@
 """``torch.ops.memopt.wta_crs_linears``: linears that share an input, saving k sampled rows of it for backward.
 
-    index, rows = sample(x2d, estimate, budget, period, winners)          # plain PyTorch: Inductor compiles it
+    index, rows = sample(x2d, estimate, budget, period, winners)   # PyTorch + the one-program draw kernel
     *outputs = torch.ops.memopt.wta_crs_linears(x, [W_q, W_k, W_v], [b_q, b_v], [0, -1, 1],
                                                 index, rows, estimate, period)
 
@@ -14,9 +14,11 @@ dimensions. ``estimate`` is the group's running gradient-norm estimate (``state.
 this step's gradient norms into it in place.
 
 Only the linears form an opaque op: sampling and the backward are ordinary PyTorch, which AOTAutograd traces
-into the compiled graphs, so Inductor fuses them and no per-op Python runs at training time. Randomness comes
-from torch's generator (Inductor's when compiled): fresh draws each step, reproducible under
-``torch.manual_seed``, fixed shapes, CUDA-graph safe.
+into the compiled graphs, so Inductor fuses them and no per-op Python runs at training time. The draw itself
+(winners, then draws with replacement) is ``memopt::wta_crs_draw``, a ``triton_op``: on CUDA one Triton
+program that Inductor emits as is, where the sorted PyTorch rule took a top-k and about fifteen launches.
+Randomness comes from torch's generator (Inductor's when compiled): fresh draws each step, reproducible
+under ``torch.manual_seed``, fixed shapes, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings._library import HAS_TRITON, interpreting, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, device_op, interpreting, on_cuda, reference_op
 from lowerings.wta_crs import reference, state
 
 if HAS_TRITON:
@@ -59,13 +61,30 @@ def sample(
 
     ``x`` must be detached: no gradient flows through the sample, and autograd must not keep x for it."""
     rows = x.shape[0]
+    torch._check(rows % period == 0, lambda: f"memopt WTA-CRS: {rows} token rows are not whole sequences of {period}")
     if budget >= 1.0:  # every row, unweighted: the exact gradient (a static branch, no guard on N)
         return torch.arange(rows, device=x.device), x.clone()
     k = reference.sample_size(rows, budget)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(reference.positions_of(rows, period, x.device))
-    probabilities = reference.sampling_probabilities(_row_norms(x), grad_estimate)
-    index, weight = reference.draw(probabilities, k, winners)
+    scores = reference.sampling_scores(_row_norms(x), grad_estimate)
+    uniforms = torch.rand(k, device=x.device)
+    index, weight = torch.ops.memopt.wta_crs_draw(scores, uniforms, winners)
     return index, _gather_rows(x, index, weight)
+
+
+@device_op("wta_crs_draw")
+def wta_crs_draw(scores: torch.Tensor, uniforms: torch.Tensor, winners: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, weight) of one sample from unnormalized ``scores`` [N], one slot per uniform in [0, 1).
+
+    On CUDA one Triton program (``kernels.draw``: no sort, one launch where the sorted reference takes about
+    fifteen); elsewhere the sorted reference. Both draw from the same distribution with the same uniforms."""
+    torch._check(scores.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: scores and uniforms are 1-D")
+    torch._check(
+        uniforms.numel() <= scores.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from"
+    )
+    if HAS_TRITON and on_cuda(scores, uniforms):
+        return kernels.draw(scores.float().contiguous(), uniforms.float().contiguous(), winners)
+    return reference.draw(reference.normalize(scores.float()), uniforms.float(), winners)
 
 
 def sampled_linears(
@@ -148,5 +167,4 @@ def _record(estimate: torch.Tensor, grad_norms: torch.Tensor, period: int) -> No
     Plain PyTorch in the backward formula: AOTAutograd keeps this mutation of a forward input in the compiled
     backward, where Inductor fuses the update and its write into the buffer with the gradient-norm kernels.
     (An opaque op here ran ~13 eager kernels per group per step.)"""
-    positions = reference.positions_of(grad_norms.numel(), period, grad_norms.device)
-    reference.GradNormEstimate(estimate).update(positions, grad_norms)
+    reference.GradNormEstimate(estimate).update(grad_norms, period)

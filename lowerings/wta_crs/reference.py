@@ -59,12 +59,18 @@ class GradNormEstimate:
         estimate = torch.where(estimate > 0, estimate, mean)
         return estimate.clamp_min(GRAD_FLOOR * mean)
 
-    def update(self, positions: torch.Tensor, grad_norms: torch.Tensor) -> None:
-        """Fold this step's per-row gradient norms into the per-position averages (in place)."""
-        total = torch.zeros_like(self.values).index_add_(0, positions, grad_norms.float())
-        count = torch.zeros_like(self.values).index_add_(0, positions, torch.ones_like(grad_norms, dtype=torch.float32))
-        observed = count > 0
-        current = total / count.clamp_min(1)
+    def update(self, grad_norms: torch.Tensor, period) -> None:
+        """Fold this step's per-row gradient norms (rows of [..., period] tokens) into the per-position averages,
+        in place. Every position holds the same number of rows, so the average of the positions that share the
+        last slot is the average of their rows; reductions and a gather, no scatter."""
+        period = torch.sym_max(period, 1)
+        per_position = grad_norms.float().reshape(-1, period).mean(0)  # [period]
+        last = MAX_POSITIONS - 1
+        in_tail = torch.arange(period, device=grad_norms.device) >= last
+        tail = torch.where(in_tail, per_position, 0.0).sum() / in_tail.sum().clamp_min(1)
+        slots = torch.arange(MAX_POSITIONS, device=grad_norms.device)
+        current = torch.where(slots < last, per_position[slots.clamp_max(period - 1)], tail)
+        observed = slots < period
         blended = torch.where(self.values > 0, EMA_DECAY * self.values + (1 - EMA_DECAY) * current, current)
         self.values.copy_(torch.where(observed, blended, self.values))
 
@@ -74,20 +80,28 @@ def positions_of(rows: int, period: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(rows, device=device) % torch.sym_max(period, 1)).clamp_max(MAX_POSITIONS - 1)
 
 
-def sampling_probabilities(row_norms: torch.Tensor, grad_estimate: torch.Tensor) -> torch.Tensor:
-    """p_i ∝ ‖x_i‖ · ĝ_i, normalized (all zero rows: uniform)."""
-    weights = row_norms.float() * grad_estimate
-    total = weights.sum()
-    uniform = torch.full_like(weights, 1.0 / weights.numel())
-    return torch.where(total > 0, weights / total.clamp_min(torch.finfo(torch.float32).tiny), uniform)
+def sampling_scores(row_norms: torch.Tensor, grad_estimate: torch.Tensor) -> torch.Tensor:
+    """‖x_i‖ · ĝ_i in fp32: the sampling probabilities before normalization."""
+    return row_norms.float() * grad_estimate
 
 
-def draw(probabilities: torch.Tensor, k: int, winners: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices [k] and weights [k] of one WTA-CRS sample (plain CRS when ``winners`` is False).
+def normalize(scores: torch.Tensor) -> torch.Tensor:
+    """p_i = score_i / Σ scores (all zero rows: uniform)."""
+    total = scores.sum()
+    uniform = torch.full_like(scores, 1.0 / scores.numel())
+    return torch.where(total > 0, scores / total.clamp_min(torch.finfo(torch.float32).tiny), uniform)
+
+
+def draw(
+    probabilities: torch.Tensor, uniforms: torch.Tensor, winners: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices [k] and weights [k] of one WTA-CRS sample (plain CRS when ``winners`` is False), k = len(uniforms).
 
     Slots before |C| hold the winners (weight 1); the others hold draws with replacement from the residual
-    distribution, weighted (1 − P_C) / ((k − |C|) · p_j).
+    distribution, weighted (1 − P_C) / ((k − |C|) · p_j); slot j draws with ``uniforms[j]`` ∈ [0, 1).
+    ``kernels.draw`` computes the same on CUDA without the sort (its winners come in row order).
     """
+    k = uniforms.numel()
     n = probabilities.numel()
     top_p, top_index = torch.topk(probabilities, k)
     mass_before = torch.cat([top_p.new_zeros(1), torch.cumsum(top_p, 0)[:-1]])  # P_c for c = 0..k-1
@@ -103,7 +117,7 @@ def draw(probabilities: torch.Tensor, k: int, winners: bool = True) -> tuple[tor
     residual = torch.where(winner_mask, 0.0, probabilities)
     residual_mass = residual.sum()
     cumulative = torch.cumsum(residual, 0)
-    u = torch.rand(k, device=probabilities.device) * residual_mass
+    u = uniforms * residual_mass
     drawn = torch.searchsorted(cumulative, u, right=True).clamp_max(n - 1)
     p_drawn = probabilities[drawn]
     draws = (k - n_winners).clamp_min(1)

@@ -23,6 +23,40 @@ def test_kernels_match_reference(dtype):
     torch.testing.assert_close(kernels.gather_rows(x, index, weight), reference.gather_rows(x, index, weight))
 
 
+@pytest.mark.parametrize(("rows", "budget", "spread"), [(16384, 0.3, 1.0), (65536, 0.1, 2.0), (5000, 0.5, 0.0)])
+def test_draw_kernel_matches_the_sorted_reference(rows, budget, spread):
+    """The compiled one-program draw at training sizes: the sorted rule's winners, the same draws and weights."""
+    from lowerings.wta_crs import kernels
+    from tests.lowerings.wta_crs.test_op import _adaptive_winner_count
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    scores = torch.exp(spread * torch.randn(rows, device="cuda", generator=gen))
+    k = int(reference.sample_size(rows, budget))
+    uniforms = torch.rand(k, device="cuda", generator=gen)
+    index, weight = kernels.draw(scores, uniforms, True)
+    expected_index, expected_weight = reference.draw(reference.normalize(scores), uniforms, True)
+    n = _adaptive_winner_count(reference.normalize(scores), k)
+    assert spread == 0 or n > 0
+    assert torch.equal(index[:n].sort().values, expected_index[:n].sort().values)
+    same = index[n:] == expected_index[n:]
+    assert same.float().mean() > 0.99
+    torch.testing.assert_close(weight[n:][same], expected_weight[n:][same], rtol=1e-4, atol=0)
+
+
+def test_compiled_step_draws_with_the_kernel():
+    """Inductor emits the one-program draw into the compiled forward: no sort runs on the GPU."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    block = Block().cuda()
+    step = torch.compile(lambda x: block(x).square().sum(), backend=fxpass.MemoptBackend(options=ON | {"force": True}))
+    x = torch.randn(4, 64, 16, device="cuda")
+    _, code = run_and_get_code(lambda: step(x).backward())
+    code = "\n".join(code)
+    assert "_draw_kernel" in code
+    assert "aten.topk" not in code and "aten.sort" not in code
+
+
 def _weight_grads_over_steps(mode: str | None, seed: int, steps: int = 3) -> list[torch.Tensor]:
     torch.manual_seed(0)
     block = Block().cuda()
