@@ -483,8 +483,8 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     state to every step, so those launches get more warps or narrower streamed tiles.
 
     16-bit without extras: the fastest settings of ``benchmarks/attention_tune.py`` on the H200 (BENCHMARKS.md;
-    D = 256 from a non-causal sweep). The others come from offline sm_90 compiles (ptxas -v): within 255 registers a thread with
-    no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
+    D = 256 from a non-causal sweep). The others come from offline sm_90 compiles (ptxas -v): within 255
+    registers a thread with no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
     (pinned + stages · 2 · streamed) · D elements, within Hopper's 227 KB. fp32 at "highest"
     precision multiplies on the FMA units, which need small tiles.
     """

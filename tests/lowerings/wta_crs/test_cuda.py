@@ -24,23 +24,16 @@ def test_kernels_match_reference(dtype):
 
 
 @pytest.mark.parametrize(("rows", "budget", "spread"), [(16384, 0.3, 1.0), (65536, 0.1, 2.0), (5000, 0.5, 0.0)])
-def test_draw_kernel_matches_the_sorted_reference(rows, budget, spread):
-    """The compiled one-program draw at training sizes: the sorted rule's winners, the same draws and weights."""
+def test_draw_kernel_follows_the_estimator(rows, budget, spread):
+    """The compiled one-program draw at training sizes, against the estimator's float64 definition."""
     from lowerings.wta_crs import kernels
-    from tests.lowerings.wta_crs.test_op import _adaptive_winner_count
+    from tests.lowerings.wta_crs.test_op import check_sample
 
     gen = torch.Generator(device="cuda").manual_seed(rows)
     scores = torch.exp(spread * torch.randn(rows, device="cuda", generator=gen))
-    k = int(reference.sample_size(rows, budget))
-    uniforms = torch.rand(k, device="cuda", generator=gen)
-    index, weight = kernels.draw(scores, uniforms, True)
-    expected_index, expected_weight = reference.draw(reference.normalize(scores), uniforms, True)
-    n = _adaptive_winner_count(reference.normalize(scores), k)
+    uniforms = torch.rand(int(reference.sample_size(rows, budget)), device="cuda", generator=gen)
+    n = check_sample(scores, uniforms, *kernels.draw(scores, uniforms, True), True)
     assert spread == 0 or n > 0
-    assert torch.equal(index[:n].sort().values, expected_index[:n].sort().values)
-    same = index[n:] == expected_index[n:]
-    assert same.float().mean() > 0.99
-    torch.testing.assert_close(weight[n:][same], expected_weight[n:][same], rtol=1e-4, atol=0)
 
 
 def test_compiled_step_draws_with_the_kernel():

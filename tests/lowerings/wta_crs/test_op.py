@@ -217,30 +217,56 @@ def test_positions_past_the_last_slot_share_it():
     torch.testing.assert_close(estimate.values[last], torch.tensor(float(last + 1)))  # mean of last, last+1, last+2
 
 
-def _adaptive_winner_count(p: torch.Tensor, k: int) -> int:
-    """|C| = argmin_c (1 − P_c)/(k − c) over the sorted probabilities (the paper's rule, written out)."""
-    top = torch.topk(p.double().cpu(), k).values
-    before = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(top, 0)[:-1]])
-    return int(torch.argmin((1 - before).clamp_min(0) / (k - torch.arange(k))))
+def check_sample(scores: torch.Tensor, uniforms: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                 winners: bool) -> int:
+    """Check one draw against the estimator's definition in float64; returns |C|.
+
+    Winners (the leading slots of weight 1) must be the |C| most probable rows, with |C| minimizing the paper's
+    score (1 − P_c)/(k − c) up to fp32 resolution: near the optimum the score is flat, so an fp32 sum may
+    settle a row or two away from the float64 argmin (the sorted fp32 reference does too), and any C fixed
+    before the draw keeps the estimate unbiased. Every other slot must land on the row whose float64 residual
+    cumulative interval holds its target u · residual mass (up to fp32 rounding of the sums), with weight
+    (1 − P_C) / ((k − |C|) · p)."""
+    scores, uniforms, index, weight = (t.detach().cpu() for t in (scores, uniforms, index, weight))
+    rows, k = scores.numel(), uniforms.numel()
+    p = scores.double() / scores.double().sum()
+    # |C| < k always; a lone last draw from a one-row residual also weighs exactly 1
+    n = min(int(torch.cumprod((weight == 1).int(), 0).sum()), k - 1) if winners else 0
+    ordered = torch.sort(p, descending=True).values
+    if n:
+        assert p[index[:n]].min() >= ordered[n - 1] * (1 - 1e-6)  # the most probable rows
+        assert index[:n].unique().numel() == n
+    before = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(ordered[: k - 1], 0)])
+    score = (1 - before).clamp_min(0) / (k - torch.arange(k))
+    if winners:
+        assert score[n] <= score.min() * (1 + 1e-5), (n, int(score.argmin()))
+    is_winner = torch.zeros(rows, dtype=torch.bool)
+    is_winner[index[:n]] = True
+    residual = torch.where(is_winner, 0.0, p)
+    mass = residual.sum()
+    upper = torch.cumsum(residual, 0)
+    lower = upper - residual
+    drawn = index[n:]
+    target = uniforms[n:].double() * mass
+    slack = 1e-5 * mass
+    assert torch.all((lower[drawn] - slack <= target) & (target <= upper[drawn] + slack))
+    torch.testing.assert_close(weight[n:].double(), mass / ((k - n) * p[drawn]), rtol=1e-4, atol=0)
+    return n
 
 
 @pytest.mark.parametrize("winners", [True, False])
-@pytest.mark.parametrize(("rows", "k", "spread"), [(300, 90, 3.0), (2500, 250, 1.0), (64, 64, 2.0), (50, 7, 0.0)])
-def test_draw_kernel_matches_the_sorted_reference(rows, k, spread, winners):
-    """The one-program Triton draw: the winner set of the sorted rule, the same draws from the same uniforms
-    (ties of the two cumulative sums aside), the same weights. 2500 rows span several blocks of 1024."""
+@pytest.mark.parametrize(
+    ("rows", "k", "spread"), [(300, 90, 3.0), (2500, 250, 1.0), (64, 64, 2.0), (50, 7, 0.0), (65536, 6554, 2.0)]
+)
+def test_draw_kernel_follows_the_estimator(rows, k, spread, winners):
+    """The one-program Triton draw (several blocks of 1024 rows from 2500 on) against the estimator's float64
+    definition; the sorted fp32 reference passes the same check (it may settle on another near-optimal |C|)."""
     pytest.importorskip("triton")
     from lowerings.wta_crs import kernels
 
     gen = torch.Generator().manual_seed(rows + k)
     scores = torch.exp(spread * torch.randn(rows, generator=gen))
     uniforms = torch.rand(k, generator=gen)
-    index, weight = kernels.draw(scores, uniforms, winners)
-    expected_index, expected_weight = reference.draw(reference.normalize(scores), uniforms, winners)
-    n = _adaptive_winner_count(reference.normalize(scores), k) if winners else 0
+    n = check_sample(scores, uniforms, *kernels.draw(scores, uniforms, winners), winners)
     assert not winners or spread == 0 or n > 0  # the cases exercise both slot kinds
-    assert sorted(index[:n].tolist()) == sorted(expected_index[:n].tolist())
-    assert torch.all(weight[:n] == 1)
-    same = index[n:] == expected_index[n:]
-    assert same.float().mean() > 0.98
-    torch.testing.assert_close(weight[n:][same], expected_weight[n:][same], rtol=1e-4, atol=0)
+    check_sample(scores, uniforms, *reference.draw(reference.normalize(scores), uniforms, winners), winners)
