@@ -78,21 +78,25 @@ def _draw_kernel(
     The winner set is the paper's adaptive |C| = argmin_c (1 − P_c)/(k − c) (Liu et al. 2023), found without a
     sort: adding the next-largest row lowers that score exactly when its probability exceeds the score, so
     C = {p > τ} at the fixed point τ = (1 − P(p > τ)) / (k − |p > τ|). From τ = 1/k the sets only grow; the loop
-    stops when the count stops changing (or after ``max_rounds``: a smaller C chosen before the draw keeps the
-    estimate unbiased). Winners fill the first slots in row order; the other slots are inverse-CDF draws with
-    replacement from the residual mass, found by binary search in a cumulative sum kept in ``Cumulative``."""
+    stops when the count stops changing, after ``max_rounds``, or when a set reaches k rows (fp32 rounding of a
+    mass near 1), keeping the last set of fewer than k: any C chosen before the draw keeps the estimate
+    unbiased, a smaller one costs a little variance. Winners fill the first slots in row order; the other slots
+    are inverse-CDF draws with replacement from the residual mass, found by binary search in a cumulative sum
+    kept in ``Cumulative``."""
     lanes = tl.arange(0, BLOCK)
     total = 0.0
     for start in range(0, n_rows, BLOCK):
         rows = start + lanes
         total += tl.sum(tl.load(Scores + rows, mask=rows < n_rows, other=0.0), axis=0)
 
+    # The winners are the rows above ``chosen``: the last tested threshold whose set leaves a slot to draw.
+    chosen = float("inf")  # none yet (and none for plain CRS)
     if WINNERS:
         threshold = 1.0 / n_slots
         count = 0
         previous = -1
         rounds = 0
-        while (rounds < max_rounds) & (count != previous):
+        while (rounds < max_rounds) & (count != previous) & (count < n_slots):
             previous = count
             mass = 0.0
             count = 0
@@ -103,19 +107,9 @@ def _draw_kernel(
                 above = valid & (p > threshold)
                 mass += tl.sum(tl.where(above, p, 0.0), axis=0)
                 count += tl.sum(above.to(tl.int32), axis=0)
+            chosen = tl.where(count < n_slots, threshold, chosen)
             threshold = tl.maximum(1.0 - mass, 0.0) / tl.maximum(n_slots - count, 1).to(tl.float32)
             rounds += 1
-        # The set above the final threshold; one of k or more (rounding) would leave no slot to draw: none then
-        # (an infinite threshold).
-        count = 0
-        for start in range(0, n_rows, BLOCK):
-            rows = start + lanes
-            valid = rows < n_rows
-            above = valid & (_probabilities(Scores, rows, valid, total, n_rows) > threshold)
-            count += tl.sum(above.to(tl.int32), axis=0)
-        threshold = tl.where(count < n_slots, threshold, float("inf"))
-    else:
-        threshold = float("inf")  # plain CRS: no winners
 
     taken = 0
     residual_mass = 0.0
@@ -123,7 +117,7 @@ def _draw_kernel(
         rows = start + lanes
         valid = rows < n_rows
         p = _probabilities(Scores, rows, valid, total, n_rows)
-        win = valid & (p > threshold)
+        win = valid & (p > chosen)
         slot = taken + tl.cumsum(win.to(tl.int32), axis=0) - 1
         tl.store(Index + slot, rows.to(tl.int64), mask=win)
         tl.store(Weight + slot, tl.full((BLOCK,), 1.0, tl.float32), mask=win)

@@ -270,3 +270,18 @@ def test_draw_kernel_follows_the_estimator(rows, k, spread, winners):
     n = check_sample(scores, uniforms, *kernels.draw(scores, uniforms, winners), winners)
     assert not winners or spread == 0 or n > 0  # the cases exercise both slot kinds
     check_sample(scores, uniforms, *reference.draw(reference.normalize(scores), uniforms, winners), winners)
+
+
+def test_draw_kernel_when_a_few_rows_hold_all_the_mass():
+    """One row with ~all the probability: the threshold's set jumps past k (1 − mass rounds to 0 in fp32); the
+    kernel keeps the last set with a slot left to draw, as the sorted rule does."""
+    pytest.importorskip("triton")
+    from lowerings.wta_crs import kernels
+
+    scores = torch.tensor([1e30, 1.0, 1.0, 0.0])
+    uniforms = torch.tensor([0.25, 0.75])
+    index, weight = kernels.draw(scores, uniforms, True)
+    assert index[0] == 0 and weight[0] == 1
+    expected_index, expected_weight = reference.draw(reference.normalize(scores), uniforms, True)
+    assert torch.equal(index, expected_index)
+    torch.testing.assert_close(weight, expected_weight)
