@@ -89,6 +89,33 @@ def test_weight_gradient_is_unbiased(case, sigma, winners, reset_each):
     assert relative_error_of_mean < 4 * (mse / draws).sqrt() / exact.norm(), case
 
 
+@pytest.mark.parametrize("winners", [True, False])
+def test_mean_squared_error_matches_the_closed_form(winners):
+    """Each draw's error has the estimator's exact variance: with residual distribution q_j = p_j / (1 − P_C)
+    over the rows outside C and m = k − |C| draws, E‖Ĝ − G‖² = (Σ_{j∉C} ‖g_j‖²‖x_j‖² / q_j − ‖R‖²) / m, where R is
+    those rows' exact contribution (Liu et al. 2023; CRS when C is empty). A wrong weight or a
+    without-replacement draw moves the empirical value off it, not only the mean."""
+    x, weight, grad_out = _problem(rows=120, sigma=1.0, seed=4)
+    budget, draws = 0.3, 3000
+    estimates = _weight_grads(x, weight, grad_out, budget, draws, winners=winners, key="mse", reset_each=True)
+    exact = grad_out.t() @ x
+    empirical = (estimates - exact).square().sum((1, 2)).mean().item()
+
+    k = int(reference.sample_size(120, budget))
+    p = reference.normalize(reference.row_norms(x).float()).double()  # no history: p ∝ ‖x_i‖
+    uniforms = torch.rand(k)
+    n = check_sample(p.float(), uniforms, *reference.draw(p.float(), uniforms, winners), winners)  # |C| for this p
+    outside = torch.ones(120, dtype=torch.bool)
+    outside[torch.topk(p, n).indices] = False
+    q = p[outside] / p[outside].sum()
+    g, xs = grad_out[outside], x[outside]
+    residual = g.t() @ xs
+    second_moment = (g.square().sum(1) * xs.square().sum(1) / q).sum()
+    predicted = ((second_moment - residual.square().sum()) / (k - n)).item()
+    assert winners == (n > 0)
+    assert abs(empirical / predicted - 1) < 0.12, (empirical, predicted)
+
+
 def test_zero_rows_and_full_budget():
     """Padding rows (all zero) never break unbiasedness; a budget of 1 saves every row and is exact."""
     x, weight, grad_out = _problem(rows=64)
