@@ -213,6 +213,19 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.memopt.wta_crs_linears.default, (x, [w], [b], [0], index, rows, estimate, 20))
 
 
+@pytest.mark.parametrize("winners", [True, False])
+def test_draw_opcheck(winners):
+    """The draw op's schema, fake (meta) implementation and dispatch: outputs of fixed shape k."""
+    gen = torch.Generator().manual_seed(3)
+    scores, uniforms = torch.rand(50, generator=gen), torch.rand(12, generator=gen)
+    torch.library.opcheck(torch.ops.memopt.wta_crs_draw.default, (scores, uniforms, winners))
+
+
+def test_draw_rejects_more_slots_than_rows():
+    with pytest.raises(RuntimeError, match="more slots than rows"):
+        torch.ops.memopt.wta_crs_draw(torch.rand(3), torch.rand(4), True)
+
+
 def test_kernels_match_reference():
     triton = pytest.importorskip("triton")
     del triton
