@@ -150,9 +150,14 @@ def _draw_kernel(
 # Fixed-point rounds at most; softmax-normal probabilities over 16384 rows (spreads 0.1–8, budgets 0.01–0.5)
 # converged within 11.
 WINNER_ROUNDS = 32
+# The one program's launch: rows (and slots) handled per loop step, and warps. Measured on the H200 at 81 µs a
+# call for 16384 rows and 4915 slots; ``benchmarks/wta_crs_draw.py`` times other settings.
+DRAW_LAUNCH = {"BLOCK": 1024, "num_warps": 8}
 
 
-def draw(scores: torch.Tensor, uniforms: torch.Tensor, winners: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    scores: torch.Tensor, uniforms: torch.Tensor, winners: bool, launch: dict[str, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [k], weight [k]) of one sample from unnormalized fp32 ``scores`` [N], k = len(uniforms).
 
     ``uniforms`` are k draws from U[0, 1), one per slot (the slots after the winners use them)."""
@@ -162,6 +167,6 @@ def draw(scores: torch.Tensor, uniforms: torch.Tensor, winners: bool) -> tuple[t
     cumulative = torch.empty(n_rows, dtype=torch.float32, device=scores.device)
     launchable(_draw_kernel)[(1,)](
         scores, uniforms, cumulative, index, weight, n_rows, n_slots, WINNER_ROUNDS,
-        WINNERS=winners, BLOCK=1024, num_warps=8,
+        WINNERS=winners, **(launch or DRAW_LAUNCH),
     )
     return index, weight
