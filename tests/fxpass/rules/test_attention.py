@@ -283,6 +283,16 @@ def _hf(name: str):
         )
         model = transformers.LlamaForCausalLM(config)
         model.loss_type = "ForCausalLM"
+    elif name in ("mistral", "qwen2"):
+        decoder = dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64, **common,
+        )
+        if name == "mistral":  # a window shorter than the sequence: the mask is banded, not causal
+            model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=4, **decoder))
+        else:
+            model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**decoder))
+        model.loss_type = "ForCausalLM"
     else:
         config = transformers.BertConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -297,7 +307,7 @@ def _hf(name: str):
 @pytest.mark.parametrize(
     ("name", "padding", "mask_kind"),
     [("gpt2", False, "causal (flag)"), ("llama", False, "causal (flag)"), ("llama", True, "additive bias"),
-     ("bert", True, "additive bias")],
+     ("bert", True, "additive bias"), ("qwen2", False, "causal (flag)"), ("mistral", False, "additive bias")],
 )
 def test_hf_eager_attention_rewritten_in_every_layer(name, padding, mask_kind):
     """HF models with eager attention: every layer's attention is rewritten; loss and gradients equal eager."""
