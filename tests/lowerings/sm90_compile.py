@@ -1,0 +1,164 @@
+"""Compile memopt's Triton kernels for an H100/H200 (sm_90) on a machine without a GPU.
+
+    python -m tests.lowerings.sm90_compile            # every case, one JSON line each
+    python -m tests.lowerings.sm90_compile draw       # the cases whose name contains "draw"
+
+Run without ``TRITON_INTERPRET`` (``test_sm90_compile.py`` starts it in a subprocess). A stand-in driver
+reports an sm_90 device with the H200's 227 KB of shared memory a block, so the host code's launches go through
+Triton's real CUDA pipeline, ptxas included, with the launch settings memopt would use on that GPU; then
+nothing runs. This finds what the interpreter cannot: code-generation errors (a loop-carried variable that
+changes type, an unsupported construct), tiles that overflow shared memory, and ptxas failures. It cannot
+check numerics or speed. CPU tensors stand in for the device ones: only their dtypes, shapes and strides
+reach the compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+H200_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on the H200 (and H100)
+
+
+class _DeviceProperties(dict):
+    """What Triton asks of a device: an H200's figures."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            max_shared_mem=H200_SHARED_BYTES, multiprocessor_count=132, max_num_regs=65536, warpSize=32,
+            sm_clock_rate=1980000, mem_clock_rate=2619000, mem_bus_width=6144,
+        )
+
+
+class _CompileOnlyUtils:
+    def get_device_properties(self, device: int) -> dict:
+        return _DeviceProperties()
+
+    def load_binary(self, name, kernel, shared, device):  # (module, function, registers, spills, max threads)
+        return 0, 0, 0, 0, 1024
+
+
+class CompileOnlyDriver:
+    """Triton driver for an sm_90 device that compiles every launch and runs none."""
+
+    def __init__(self) -> None:
+        self.utils = _CompileOnlyUtils()
+
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def launcher_cls(self, src, metadata) -> Callable:
+        return lambda *args, **kwargs: None
+
+
+def _attention(dtype: torch.dtype, head_dim: int, causal: bool, bias: bool = False, dropout: float = 0.0,
+               bias_grad: bool = False, **forced) -> Callable[[], None]:
+    def run() -> None:
+        from lowerings.flash_attention import kernels
+
+        q, k, v, grad = (torch.randn(1, 2, 64, head_dim, dtype=dtype) for _ in range(4))
+        additive = torch.zeros(1, 2, 64, 64, dtype=dtype) if bias else None
+        seed = torch.zeros(1, dtype=torch.int64)
+        with kernels.forced_tiles(**forced):
+            out, lse = kernels.forward(q, k, v, additive, head_dim**-0.5, causal, dropout, seed)
+            kernels.backward(q, k, v, additive, out, lse, grad, head_dim**-0.5, causal, dropout, seed, bias_grad)
+
+    return run
+
+
+def _cross_entropy(dtype: torch.dtype, softcap: float | None, filter_eps: float = 0.0) -> Callable[[], None]:
+    def run() -> None:
+        from lowerings.cce import kernels
+
+        hidden, weight = torch.randn(64, 48, dtype=dtype), torch.randn(200, 48, dtype=dtype)
+        targets = torch.randint(0, 200, (64,))
+        bias = torch.zeros(200, dtype=dtype)
+        _, lse = kernels.forward_rows(hidden, weight, bias, targets, -100, 0.1, softcap)
+        ones = torch.ones(64)
+        kernels.backward(hidden, weight, bias, targets, lse, ones, ones, 0.1, softcap, (True, True, True), filter_eps)
+
+    return run
+
+
+def _wta_crs(winners: bool) -> Callable[[], None]:
+    def run() -> None:
+        from lowerings.wta_crs import kernels
+
+        x = torch.randn(300, 40, dtype=torch.bfloat16)
+        scores = kernels.row_norms(x)
+        index, weight = kernels.draw(scores.float(), torch.rand(90), winners)
+        kernels.gather_rows(x, index, weight)
+
+    return run
+
+
+def cases() -> dict[str, Callable[[], None]]:
+    """Name → a call of the host code that launches (and so compiles) the kernels of one configuration."""
+    return {
+        "attention bf16 d64 causal": _attention(torch.bfloat16, 64, True),
+        "attention bf16 d128": _attention(torch.bfloat16, 128, False),
+        "attention fp16 d80 causal": _attention(torch.float16, 80, True),
+        "attention bf16 d256": _attention(torch.bfloat16, 256, False),
+        "attention bf16 d128 bias (gradient) and dropout": _attention(
+            torch.bfloat16, 128, True, bias=True, dropout=0.1, bias_grad=True
+        ),
+        "attention fp32 d128 (exact products)": _attention(torch.float32, 128, False),
+        "attention bf16 d128 atomic dQ (opt-in)": _attention(
+            torch.bfloat16, 128, False, backward={"PINNED": 128, "SWEPT": 64, "num_warps": 8, "num_stages": 2,
+                                                 "ATOMIC_DQ": True},
+        ),
+        "cross-entropy bf16 softcap": _cross_entropy(torch.bfloat16, 30.0),
+        "cross-entropy bf16 filtered": _cross_entropy(torch.bfloat16, None, filter_eps=2.0**-12),
+        "cross-entropy fp32": _cross_entropy(torch.float32, None),
+        "wta-crs draw, norms, gather": _wta_crs(True),
+        "wta-crs draw without winners (plain CRS)": _wta_crs(False),
+    }
+
+
+def expected_failures() -> dict[str, tuple[Callable[[], None], str]]:
+    """Cases that must fail, and how: they show that the stand-in driver enforces the device's limits."""
+    over = {"PINNED": 128, "SWEPT": 64, "num_warps": 8, "num_stages": 2}  # failed the same way on the H200
+    return {
+        "attention bf16 d256, 128x64 backward tiles (over the shared memory)": (
+            _attention(torch.bfloat16, 256, False, backward=over), "Required: 262144, Hardware limit: 232448"
+        ),
+    }
+
+
+def main(selection: list[str]) -> None:
+    import triton
+    from triton.runtime.driver import driver
+
+    driver.set_active(CompileOnlyDriver())
+    every = cases() | {name: run for name, (run, _) in expected_failures().items()}
+    for name, run in every.items():
+        if selection and not any(part in name for part in selection):
+            continue
+        try:
+            run()
+            error = None
+        except Exception as exc:  # reported per case; the caller decides
+            error = f"{type(exc).__name__}: {exc}"[-2000:]
+        print(json.dumps({"case": name, "triton": triton.__version__, "error": error}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
