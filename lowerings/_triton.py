@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from lowerings._library import interpreting
+
+
+def exact_fp32_products(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` must multiply exactly in fp32 (``input_precision="ieee"``): fp32 inputs unless the user
+    allowed TF32, as PyTorch's matmul does, and always in the interpreter, whose 16-bit dot is wrong."""
+    if interpreting():
+        return True
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lowerings._library import interpreting, launchable
-from lowerings._triton import as_fp32
+from lowerings._triton import as_fp32, exact_fp32_products
 
 # Columns of ∂loss/∂logits materialized per backward chunk (N × columns in the input dtype): at most
 # CHUNK_COLUMNS, fewer when N is large so that a chunk stays within CHUNK_BYTES (but at least MIN_COLUMNS).
@@ -313,16 +313,10 @@ def accumulate_product(
         a, b, high, high if low is None else low, b_rows, live.flags if live is not None else None,
         m_size, n_size, k_size,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), high.stride(0), stride_m, stride_k,
-        COMPENSATED=low is not None, IEEE=_ieee(a.dtype), GATHER_B=b_rows is not None, SKIP=live is not None,
-        LIVE_M=live_m, LIVE_K=live_k, **blocks,
+        COMPENSATED=low is not None, IEEE=exact_fp32_products(a.dtype), GATHER_B=b_rows is not None,
+        SKIP=live is not None, LIVE_M=live_m, LIVE_K=live_k, **blocks,
     )
 
-
-def _ieee(dtype: torch.dtype) -> bool:
-    """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
-    if interpreting():
-        return True
-    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 
 
 def forward_rows(
@@ -352,7 +346,7 @@ def forward_rows(
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, WANT_LOGIT_SUM=want_logit_sum,
-        IEEE=_ieee(hidden.dtype), **blocks,
+        IEEE=exact_fp32_products(hidden.dtype), **blocks,
     )
     row_max = part_max.amax(dim=0)
     lse = row_max + torch.log((part_sum * torch.exp(part_max - row_max)).sum(dim=0))
@@ -422,8 +416,8 @@ def backward(
             n_rows, n_cols, dim, start, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),
             1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0, filter_eps,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=_ieee(hidden.dtype), FILTER=filtering,
-            **blocks,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=exact_fp32_products(hidden.dtype),
+            FILTER=filtering, **blocks,
         )
         classes = order[start : start + cols] if filtering else None
         tiles = None

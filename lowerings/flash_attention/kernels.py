@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from lowerings._library import interpreting, launchable
-from lowerings._triton import as_fp32
+from lowerings._triton import as_fp32, exact_fp32_products
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -542,12 +542,6 @@ def _launch_tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[
     return tuple(dict(f) if f is not None else c for f, c in zip(forced, chosen, strict=True))
 
 
-def _ieee(dtype: torch.dtype) -> bool:
-    """fp32 inputs get exact fp32 products unless the user allowed TF32, as PyTorch's matmul does."""
-    if interpreting():
-        return True
-    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
-
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -566,7 +560,7 @@ def _flags(q: torch.Tensor, bias, causal: bool, dropout_p: float) -> dict:
     head_dim = q.shape[-1]
     return {
         "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "CAUSAL": causal,
-        "HAS_BIAS": bias is not None, "HAS_DROPOUT": dropout_p > 0.0, "IEEE": _ieee(q.dtype),
+        "HAS_BIAS": bias is not None, "HAS_DROPOUT": dropout_p > 0.0, "IEEE": exact_fp32_products(q.dtype),
     }
 
 
