@@ -37,15 +37,18 @@ log = logging.getLogger("benchmarks.wta_crs")
 GiB = 1 << 30
 
 
-def build(name: str, tiny: bool, layers: int | None = None):
-    """(model, masked_lm) for a named configuration, random init; ``layers`` overrides the depth."""
+def build(name: str, tiny: bool, layers: int | None = None, attention: str = "sdpa"):
+    """(model, masked_lm) for a named configuration, random init; ``layers`` overrides the depth; ``attention``
+    is HF's ``attn_implementation``: "sdpa" (their default, which memopt leaves alone) or "eager" (explicit
+    scores, which memopt's flash-attention rule rewrites: every rewrite in one step)."""
     import transformers
 
     if name == "gpt2-medium":
         sizes = dict(n_layer=2, n_embd=64, n_head=2) if tiny else dict(n_layer=24, n_embd=1024, n_head=16)
         sizes["n_layer"] = layers or sizes["n_layer"]
         config = transformers.GPT2Config(
-            vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **sizes
+            vocab_size=50257, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            attn_implementation=attention, **sizes,
         )
         model = transformers.GPT2LMHeadModel(config)
         model.loss_type = "ForCausalLM"
@@ -54,7 +57,9 @@ def build(name: str, tiny: bool, layers: int | None = None):
         sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128) if tiny else {}
         if layers:
             sizes["num_hidden_layers"] = layers
-        config = transformers.BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **sizes)
+        config = transformers.BertConfig(
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation=attention, **sizes
+        )
         return transformers.BertForMaskedLM(config), True
     raise SystemExit(f"unknown model {name!r}")
 
@@ -116,7 +121,7 @@ def training_step(name: str, backend, args, device: torch.device, layers: int | 
     torch.manual_seed(0)
     reset_estimates()
     fxpass.clear_reports()
-    model, masked_lm = build(name, args.tiny, layers)
+    model, masked_lm = build(name, args.tiny, layers, args.attention)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     vocab = model.config.vocab_size
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--mode", default=None, help='torch.compile mode for every variant, e.g. "reduce-overhead"')
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
     parser.add_argument("--tiny", action="store_true", help="two-layer models: check the script, not the numbers")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
@@ -229,7 +235,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     header = (
         f"WTA-CRS fine-tuning step, {time.strftime('%Y-%m-%d')}, "
         f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-        f"bf16 autocast, AdamW{' (tiny models)' if args.tiny else ''}"
+        f"bf16 autocast, AdamW, {args.attention} attention{' (tiny models)' if args.tiny else ''}"
     )
     text = header + "\n\n" + table(results)
     (args.out / "wta_crs.md").write_text(text + "\n")

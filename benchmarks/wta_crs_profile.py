@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead"')
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
     parser.add_argument("--tiny", action="store_true", help="small widths: check the script, not the numbers")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
