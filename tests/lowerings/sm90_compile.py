@@ -7,8 +7,9 @@ Run without ``TRITON_INTERPRET`` (``test_sm90_compile.py`` starts it in a subpro
 reports an sm_90 device with the H200's 227 KB of shared memory a block, so the host code's launches go through
 Triton's real CUDA pipeline, ptxas included, with the launch settings memopt would use on that GPU; then
 nothing runs. This finds what the interpreter cannot: code-generation errors (a loop-carried variable that
-changes type, an unsupported construct), tiles that overflow shared memory, and ptxas failures. It cannot
-check numerics or speed. CPU tensors stand in for the device ones: only their dtypes, shapes and strides
+changes type, an unsupported construct), tiles that overflow shared memory, and ptxas failures; and it
+reports each kernel's registers and stack (spill) bytes a thread, from the cubin. It cannot check numerics or
+speed. CPU tensors stand in for the device ones: only their dtypes, shapes and strides
 reach the compiler.
 """
 
@@ -33,12 +34,37 @@ class _DeviceProperties(dict):
         )
 
 
+# Registers and stack (spill) bytes a thread of each kernel compiled so far: name → {(registers, stack), …}.
+RESOURCES: dict[str, set[tuple[int, int]]] = {}
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) a thread, from ``cuobjdump -res-usage`` (bundled with Triton's CUDA backend).
+    Stack beyond zero is local memory: register spills (or arrays the compiler could not keep in registers)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        text = subprocess.run([tool, "-res-usage", file.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return (int(found[1]), int(found[2])) if found else (-1, -1)
+
+
 class _CompileOnlyUtils:
     def get_device_properties(self, device: int) -> dict:
         return _DeviceProperties()
 
     def load_binary(self, name, kernel, shared, device):  # (module, function, registers, spills, max threads)
-        return 0, 0, 0, 0, 1024
+        registers, stack = resource_usage(kernel)
+        RESOURCES.setdefault(name, set()).add((registers, stack))
+        return 0, 0, registers, stack, 1024
 
 
 class CompileOnlyDriver:
@@ -152,12 +178,14 @@ def main(selection: list[str]) -> None:
     for name, run in every.items():
         if selection and not any(part in name for part in selection):
             continue
+        RESOURCES.clear()
         try:
             run()
             error = None
         except Exception as exc:  # reported per case; the caller decides
             error = f"{type(exc).__name__}: {exc}"[-2000:]
-        print(json.dumps({"case": name, "triton": triton.__version__, "error": error}), flush=True)
+        kernels = {kernel: sorted(found) for kernel, found in RESOURCES.items()}
+        print(json.dumps({"case": name, "triton": triton.__version__, "error": error, "kernels": kernels}), flush=True)
 
 
 if __name__ == "__main__":
