@@ -95,8 +95,20 @@ class CompileOnlyDriver:
         return lambda *args, **kwargs: None
 
 
+def forget_compiled() -> None:
+    """Drop Triton's in-memory kernels of memopt's modules, so the next launch loads (and measures) again;
+    the compiled binaries stay in Triton's disk cache."""
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lowerings.") and name.endswith("kernels"):
+            for value in vars(module).values():
+                if isinstance(value, JITFunction) and hasattr(value, "device_caches"):
+                    value.device_caches.clear()
+
+
 def _attention(dtype: torch.dtype, head_dim: int, causal: bool, bias: bool = False, dropout: float = 0.0,
-               bias_grad: bool = False, **forced) -> Callable[[], None]:
+               bias_grad: bool = False, with_backward: bool = True, **forced) -> Callable[[], None]:
     def run() -> None:
         from lowerings.flash_attention import kernels
 
@@ -105,7 +117,8 @@ def _attention(dtype: torch.dtype, head_dim: int, causal: bool, bias: bool = Fal
         seed = torch.zeros(1, dtype=torch.int64)
         with kernels.forced_tiles(**forced):
             out, lse = kernels.forward(q, k, v, additive, head_dim**-0.5, causal, dropout, seed)
-            kernels.backward(q, k, v, additive, out, lse, grad, head_dim**-0.5, causal, dropout, seed, bias_grad)
+            if with_backward:
+                kernels.backward(q, k, v, additive, out, lse, grad, head_dim**-0.5, causal, dropout, seed, bias_grad)
 
     return run
 
@@ -179,6 +192,7 @@ def main(selection: list[str]) -> None:
         if selection and not any(part in name for part in selection):
             continue
         RESOURCES.clear()
+        forget_compiled()
         try:
             run()
             error = None
