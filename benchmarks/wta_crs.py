@@ -113,6 +113,16 @@ class Result:
     note: str = ""
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``training_step`` and ``backends`` read, for every script that builds the step."""
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--mode", default=None, help='torch.compile mode for every variant, e.g. "reduce-overhead"')
+    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
+    parser.add_argument("--tiny", action="store_true", help="small models: check the script, not the numbers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+
+
 def training_step(name: str, backend, args, device: torch.device, layers: int | None = None):
     """(train_step(batch size), optimizer) for a fresh model: one compiled AdamW step under bf16 autocast.
 
@@ -209,15 +219,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2-medium,bert-base")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budgets", default="0.3,0.1")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--mode", default=None, help='torch.compile mode for every variant, e.g. "reduce-overhead"')
-    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
-    parser.add_argument("--tiny", action="store_true", help="two-layer models: check the script, not the numbers")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    add_step_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from torch.autograd import DeviceType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import release_memory
-from benchmarks.wta_crs import backends, training_step, wta_groups
+from benchmarks.wta_crs import add_step_arguments, backends, training_step, wta_groups
 
 log = logging.getLogger("benchmarks.wta_crs_profile")
 
@@ -107,16 +107,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--model", default="gpt2-medium")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--budget", type=float, default=0.3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--mode", default=None, help='torch.compile mode, e.g. "reduce-overhead"')
-    parser.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"], help="HF attn_implementation")
-    parser.add_argument("--tiny", action="store_true", help="small widths: check the script, not the numbers")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    add_step_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("fxpass").setLevel(logging.WARNING)
