@@ -104,9 +104,10 @@ def test_mean_squared_error_matches_the_closed_form(winners):
     k = int(reference.sample_size(120, budget))
     p = reference.normalize(reference.row_norms(x).float()).double()  # no history: p ∝ ‖x_i‖
     uniforms = torch.rand(k)
-    n = check_sample(p.float(), uniforms, *reference.draw(p.float(), uniforms, winners), winners)  # |C| for this p
+    index, weight = reference.draw(p.float(), uniforms, winners)
+    n = check_sample(p.float(), uniforms, index, weight, winners)  # the rule's |C| for this p
     outside = torch.ones(120, dtype=torch.bool)
-    outside[torch.topk(p, n).indices] = False
+    outside[index[:n]] = False
     q = p[outside] / p[outside].sum()
     g, xs = grad_out[outside], x[outside]
     residual = g.t() @ xs
