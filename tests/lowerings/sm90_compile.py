@@ -24,14 +24,11 @@ import torch
 H200_SHARED_BYTES = 232448  # cudaDevAttrMaxSharedMemoryPerBlockOptin on the H200 (and H100)
 
 
-class _DeviceProperties(dict):
-    """What Triton asks of a device: an H200's figures."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            max_shared_mem=H200_SHARED_BYTES, multiprocessor_count=132, max_num_regs=65536, warpSize=32,
-            sm_clock_rate=1980000, mem_clock_rate=2619000, mem_bus_width=6144,
-        )
+# What Triton asks of a device: an H200's figures.
+H200_PROPERTIES = {
+    "max_shared_mem": H200_SHARED_BYTES, "multiprocessor_count": 132, "max_num_regs": 65536, "warpSize": 32,
+    "sm_clock_rate": 1980000, "mem_clock_rate": 2619000, "mem_bus_width": 6144,
+}
 
 
 # Registers and stack (spill) bytes a thread of each kernel compiled so far: name → {(registers, stack), …}.
@@ -59,7 +56,7 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 
 class _CompileOnlyUtils:
     def get_device_properties(self, device: int) -> dict:
-        return _DeviceProperties()
+        return dict(H200_PROPERTIES)
 
     def load_binary(self, name, kernel, shared, device):  # (module, function, registers, spills, max threads)
         registers, stack = resource_usage(kernel)
