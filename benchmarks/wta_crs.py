@@ -9,8 +9,9 @@ variant compiles the same loss-only step: plain ``torch.compile`` (Inductor), ``
 AOTAutograd's activation memory budget at 0.5 (exact recomputation, the baseline a sampled gradient must
 beat), memopt with WTA-CRS off, and memopt with WTA-CRS at each budget. Peak = ``max_memory_allocated`` over
 a step (weights and optimizer state included); "activations" = that peak minus what was allocated before the
-step. The largest batch is extrapolated from the peaks at two batch sizes (memory is linear in the batch),
-not searched for.
+step. The largest batch is extrapolated from the peaks at two batch sizes (memory is linear in the batch);
+``--verify-largest`` then runs a step at that batch and steps down by 4 % until one fits, so the figure is
+measured, not only predicted. ``--combine-budget`` adds memopt with WTA-CRS and the activation budget together.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import statistics
@@ -72,11 +74,12 @@ def batch(vocab: int, size: int, seq: int, masked_lm: bool, device, generator):
     return ids, labels
 
 
-def compile_with_activation_budget(fn, budget: float, mode: str | None = None):
+def compile_with_activation_budget(fn, budget: float, mode: str | None = None, backend="inductor"):
     """``torch.compile(fn)`` whose partitioner keeps at most ``budget`` of the activations and recomputes the
     rest (AOTAutograd's ``activation_memory_budget``): the exact, recompute-based way to trade time for memory,
-    the baseline WTA-CRS must beat. The budget is read when the joint graph is partitioned, at the first call."""
-    compiled = torch.compile(fn, mode=mode)
+    the baseline WTA-CRS must beat. The budget is read when the joint graph is partitioned, at the first call;
+    memopt's backend hands its graph to the same partitioner, so the two can be combined."""
+    compiled = torch.compile(fn, backend=backend) if backend != "inductor" else torch.compile(fn, mode=mode)
 
     def run(*args):
         with torch._functorch.config.patch(activation_memory_budget=budget):
@@ -85,8 +88,9 @@ def compile_with_activation_budget(fn, budget: float, mode: str | None = None):
     return run
 
 
-def backends(budgets: list[float], mode: str | None = None) -> dict[str, object]:
-    """Variant name → backend; ``mode`` (e.g. "reduce-overhead": CUDA graphs) applies to every variant."""
+def backends(budgets: list[float], mode: str | None = None, combine: float | None = None) -> dict[str, object]:
+    """Variant name → backend; ``mode`` (e.g. "reduce-overhead": CUDA graphs) applies to every variant;
+    ``combine`` adds memopt with WTA-CRS at the first budget under that activation budget."""
     found: dict[str, object] = {
         "torch.compile": functools.partial(torch.compile, mode=mode),
         "torch.compile + activation budget 0.5": functools.partial(
@@ -96,6 +100,11 @@ def backends(budgets: list[float], mode: str | None = None) -> dict[str, object]
     }
     for budget in budgets:
         found[f"memopt + WTA-CRS {budget}"] = fxpass.MemoptBackend(mode=mode, options={"wta_crs_budget": budget})
+    if combine is not None and budgets:
+        wta = fxpass.MemoptBackend(mode=mode, options={"wta_crs_budget": budgets[0]})
+        found[f"memopt + WTA-CRS {budgets[0]} + activation budget {combine}"] = functools.partial(
+            compile_with_activation_budget, budget=combine, backend=wta
+        )
     return found
 
 
@@ -109,6 +118,7 @@ class Result:
     peak_gib: float | None = None
     activations_gib: float | None = None
     max_batch: int | None = None
+    largest_run: int | None = None
     wta_groups: int = 0
     note: str = ""
 
@@ -187,6 +197,8 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
             per_sample = (peak - small_peak) / (args.batch - max(1, args.batch // 2))
             capacity = 0.95 * torch.cuda.get_device_properties(device).total_memory
             result.max_batch = int(args.batch + (capacity - peak) / per_sample)
+            if args.verify_largest:
+                result.largest_run = largest_that_runs(train_step, result.max_batch)
         result.wta_groups = wta_groups()
     except torch.OutOfMemoryError:
         result.note = "out of memory"
@@ -200,17 +212,39 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
     return result
 
 
+def largest_that_runs(train_step, estimate: int, step_down: float = 0.04, tries: int = 5) -> int | None:
+    """The first batch, from ``estimate`` down in steps of ``step_down``, whose training step runs without
+    running out of memory (the same compiled graph: the batch dimension is dynamic); None if none of them does."""
+    size = estimate
+    for _ in range(tries):
+        try:
+            train_step(size)
+            torch.cuda.synchronize()
+            return size
+        except torch.OutOfMemoryError:
+            release_cached_blocks()
+            size = int(size * (1 - step_down))
+    return None
+
+
+def release_cached_blocks() -> None:
+    """Free what an out-of-memory step left in the caching allocator, keeping the compiled graphs."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def table(results: list[Result]) -> str:
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = [
         "| model | variant | batch × seq | step (ms) | peak (GiB) | activations (GiB) | largest batch (extrapolated) "
-        "| WTA-CRS groups | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| largest batch run | WTA-CRS groups | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.model} | {r.variant} | {r.batch} × {r.seq} | {fmt(r.step_ms, '.1f')} | {fmt(r.peak_gib, '.2f')} "
-            f"| {fmt(r.activations_gib, '.2f')} | {fmt(r.max_batch, 'd')} | {r.wta_groups} | {r.note} |"
+            f"| {fmt(r.activations_gib, '.2f')} | {fmt(r.max_batch, 'd')} | {fmt(r.largest_run, 'd')} "
+            f"| {r.wta_groups} | {r.note} |"
         )
     return "\n".join(lines)
 
@@ -222,12 +256,14 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--budgets", default="0.3,0.1")
     parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--verify-largest", action="store_true", help="run a step at the extrapolated largest batch")
+    parser.add_argument("--combine-budget", type=float, default=None, help="add WTA-CRS under this activation budget")
     add_step_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    chosen = backends([float(b) for b in args.budgets.split(",") if b], args.mode)
+    chosen = backends([float(b) for b in args.budgets.split(",") if b], args.mode, args.combine_budget)
     if args.variants:
         chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
     logging.getLogger("fxpass").setLevel(logging.WARNING)  # the per-graph decision tables: see the debug dir
