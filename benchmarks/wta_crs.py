@@ -180,8 +180,10 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
         return peak, peak - before
 
     try:
+        start = time.perf_counter()
         for _ in range(2):  # compile, then let the optimizer state appear
             train_step(args.batch)
+        log.info("%s / %s: compiled and warmed up in %.0f s", name, variant, time.perf_counter() - start)
         small_peak, _ = peak_of(max(1, args.batch // 2))
         peak, activations = peak_of(args.batch)
         times = []
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--models", default="gpt2-medium,bert-base")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budgets", default="0.3,0.1")
-    parser.add_argument("--variants", default=None, help="comma-separated subset of variant names")
+    parser.add_argument("--variants", default=None, help="comma-separated variant names, run in that order")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--verify-largest", action="store_true", help="run a step at the extrapolated largest batch")
     parser.add_argument("--combine-budget", type=float, default=None, help="add WTA-CRS under this activation budget")
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     device = torch.device(args.device)
     chosen = backends([float(b) for b in args.budgets.split(",") if b], args.mode, args.combine_budget)
     if args.variants:
-        chosen = {k: v for k, v in chosen.items() if k in args.variants.split(",")}
+        chosen = {k: chosen[k] for k in args.variants.split(",") if k in chosen}  # in the order given
     logging.getLogger("fxpass").setLevel(logging.WARNING)  # the per-graph decision tables: see the debug dir
     results = []
     for name in args.models.split(","):
