@@ -52,6 +52,23 @@ def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype, device: torch.
     return terms
 
 
+@reference_op("cce_checked_targets")
+def cce_checked_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> torch.Tensor:
+    """A copy of ``targets``, after a check on the device (no host sync) that each is ignored or in [0, vocab),
+    so the kernels never read a row of the classifier that does not exist.
+
+    An opaque op rather than ``torch._assert_async`` in the traced body: AOTAutograd's partitioner in
+    torch 2.11–2.12 fails on that output-less node when an activation memory budget is set."""
+    in_range = (targets == ignore_index) | ((targets >= 0) & (targets < vocab))
+    torch._assert_async(in_range.all(), "memopt.cce: a target is out of bounds")
+    return targets.clone()
+
+
+@cce_checked_targets.register_fake
+def _(targets, vocab, ignore_index):
+    return torch.empty_like(targets)
+
+
 @reference_op("cce_rows_reference")
 def cce_rows_reference(
     hidden: torch.Tensor,
@@ -176,10 +193,7 @@ def cce(
     torch._check(filter_eps >= 0.0, lambda: "memopt.cce: filter_eps must be ≥ 0")
     targets = targets.long()  # any integer dtype, as PyTorch's cross_entropy accepts Byte as well as Long
     if HAS_TRITON and on_cuda(hidden, weight, targets):
-        torch._assert_async(
-            ((targets == ignore_index) | ((targets >= 0) & (targets < weight.shape[0]))).all(),
-            "memopt.cce: a target is out of bounds",
-        )
+        targets = torch.ops.memopt.cce_checked_targets(targets, weight.shape[0], ignore_index)
         losses, lse = kernels.forward_rows(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
     else:
         losses, lse = torch.ops.memopt.cce_rows_reference(

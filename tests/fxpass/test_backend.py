@@ -208,6 +208,20 @@ class TestOptions:
         with pytest.raises(fxpass.ConfigError, match="'not_a_key'"):
             fxpass.MemoptBackend(options={"not_a_key": 1})
 
+    @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+    def test_activation_memory_budget_keeps_the_rewrite(self, device):
+        """memopt's graph goes through AOTAutograd's budgeted partitioner (recomputation) unchanged: torch
+        2.11's partitioner failed on an output-less node the CCE body once traced, and memopt fell back."""
+        import torch._functorch.config as functorch_config
+
+        weight, step = _step()
+        weight.data = weight.data.to(device)
+        h, t = (x.detach().to(device).requires_grad_(x.requires_grad) for x in _batch(4, 16))
+        compiled = torch.compile(step, backend="memopt", options={"force": True, "strict": True})
+        with functorch_config.patch(activation_memory_budget=0.5):
+            _check_against_eager(compiled, step, weight, h, t)
+        assert counters["memopt"]["cce_applied"] == 1
+
     def test_split_between_memopt_and_inductor(self):
         backend = fxpass.MemoptBackend(options={"force": True, "epilogue_fusion": False})
         assert backend.config.force is True

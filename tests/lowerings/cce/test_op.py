@@ -419,3 +419,12 @@ def test_wrapper_rejects_unknown_reduction():
     h, w, _ = _leaves()
     with pytest.raises((RuntimeError, ValueError), match="reduction must be one of"):
         linear_cross_entropy(h, w, _targets(), reduction="avg")
+
+
+def test_checked_targets_copies_valid_targets_and_rejects_out_of_range():
+    targets = torch.tensor([0, 3, -100, 9])
+    checked = torch.ops.memopt.cce_checked_targets(targets, 10, -100)
+    assert torch.equal(checked, targets) and checked.data_ptr() != targets.data_ptr()
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        torch.ops.memopt.cce_checked_targets(torch.tensor([0, 10]), 10, -100)
+    torch.library.opcheck(torch.ops.memopt.cce_checked_targets, (targets, 10, -100))
