@@ -1,0 +1,114 @@
+"""What a compiled fine-tuning step keeps for its backward: every saved tensor by shape and dtype, per variant.
+
+    python benchmarks/saved_tensors.py                                 # GPT-2-medium width, 2 layers, 4 × 512
+    python benchmarks/saved_tensors.py --model bert-base --variants "memopt,memopt + WTA-CRS 0.1"
+    python benchmarks/saved_tensors.py --tiny                          # a smoke run of the script itself
+
+The step is ``benchmarks/wta_crs.py``'s (same models, bf16 autocast, AdamW). A
+``torch.autograd.graph.saved_tensors_hooks`` pack hook sees what the compiled graph saves for its backward;
+running the step again one sample larger (one graph: the batch dimension is dynamic) separates the
+activations, whose shapes follow the batch, from what does not (autocast's low-precision copies of the
+weights). One sample larger, not half the batch: at half the batch a transposed activation can take a
+weight's shape ([1024, 4096] at 2 × 512 tokens) and pass for one. It shows
+what a rewrite freed and which tensors remain out of its reach, on any device, without a profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import release_memory
+from benchmarks.wta_crs import add_step_arguments, backends, training_step
+
+log = logging.getLogger("benchmarks.saved_tensors")
+MiB = 1 << 20
+Key = tuple[tuple[int, ...], torch.dtype]
+
+
+def saved_by_shape(step, batch: int) -> collections.Counter[Key]:
+    """How many tensors of each (shape, dtype) one training step saves for its backward."""
+    seen: collections.Counter[Key] = collections.Counter()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        seen[(tuple(tensor.shape), tensor.dtype)] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step(batch)
+    return seen
+
+
+def nbytes(key: Key, count: int) -> int:
+    shape, dtype = key
+    return torch.Size(shape).numel() * dtype.itemsize * count
+
+
+def table(saved: collections.Counter[Key], other_batch: collections.Counter[Key], floor: int) -> list[str]:
+    """Markdown rows, largest first; a (shape, dtype) that also occurs at the other batch size does not
+    scale with the batch."""
+    lines = ["| saved tensor | count | MiB | scales with the batch |", "|---|---|---|---|"]
+    rows = sorted(saved.items(), key=lambda item: -nbytes(*item))
+    small = sum(nbytes(key, count) for key, count in rows if nbytes(key, count) < floor)
+    for key, count in rows:
+        if nbytes(key, count) >= floor:
+            shape, dtype = key
+            scales = "no" if other_batch.get(key) == count else "yes"
+            lines.append(f"| {list(shape)} {str(dtype).removeprefix('torch.')} | {count} "
+                         f"| {nbytes(key, count) / MiB:.1f} | {scales} |")
+    if small:
+        lines.append(f"| smaller ones | | {small / MiB:.1f} | |")
+    activations = sum(nbytes(k, c) for k, c in saved.items() if other_batch.get(k) != c)
+    total = sum(nbytes(k, c) for k, c in saved.items())
+    lines.append(f"| **total** | {sum(saved.values())} | {total / MiB:.1f} (activations {activations / MiB:.1f}) | |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2-medium")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--budget", type=float, default=0.3)
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (benchmarks/wta_crs.py)")
+    parser.add_argument("--floor-mib", type=float, default=1.0, help="fold smaller entries into one row")
+    add_step_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("fxpass").setLevel(logging.WARNING)
+    device = torch.device(args.device)
+    variants = backends([args.budget], args.mode)
+    default = f"torch.compile,memopt,memopt + WTA-CRS {args.budget}"
+    names = (args.variants or default).split(",")
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    sections = [
+        f"Saved tensors of one training step, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}; "
+        f"{args.model} × {args.layers} layers, batch {args.batch} × {args.seq}, bf16 autocast"
+    ]
+    for name in names:
+        train_step, optimizer = training_step(args.model, variants[name], args, device, layers=args.layers)
+        train_step(args.batch)  # compile
+        saved = saved_by_shape(train_step, args.batch)
+        other = saved_by_shape(train_step, args.batch + 1)
+        sections += ["", f"### {name}", "", *table(saved, other, int(args.floor_mib * MiB))]
+        optimizer.state.clear()
+        del train_step, optimizer
+        release_memory()
+        log.info("%s done", name)
+    text = "\n".join(sections)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "saved_tensors.md").write_text(text + "\n")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
