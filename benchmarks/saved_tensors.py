@@ -8,9 +8,9 @@ The step is ``benchmarks/wta_crs.py``'s (same models, bf16 autocast, AdamW). A
 ``torch.autograd.graph.saved_tensors_hooks`` pack hook sees what the compiled graph saves for its backward;
 running the step again one sample larger (one graph: the batch dimension is dynamic) separates the
 activations, whose shapes follow the batch, from what does not (autocast's low-precision copies of the
-weights). One sample larger, not half the batch: at half the batch a transposed activation can take a
-weight's shape ([1024, 4096] at 2 × 512 tokens) and pass for one. It shows
-what a rewrite freed and which tensors remain out of its reach, on any device, without a profiler.
+weights), counted per shape, since an activation can share a weight's shape: at 4 × 512 tokens a
+[tokens, 2048] activation looks like a [2048, 2048] weight. It shows what a rewrite freed and which tensors
+remain out of its reach, on any device, without a profiler.
 """
 
 from __future__ import annotations
@@ -52,23 +52,28 @@ def nbytes(key: Key, count: int) -> int:
     return torch.Size(shape).numel() * dtype.itemsize * count
 
 
-def table(saved: collections.Counter[Key], other_batch: collections.Counter[Key], floor: int) -> list[str]:
-    """Markdown rows, largest first; a (shape, dtype) that also occurs at the other batch size does not
-    scale with the batch."""
-    lines = ["| saved tensor | count | MiB | scales with the batch |", "|---|---|---|---|"]
+def scaling(key: Key, count: int, larger: collections.Counter[Key]) -> int:
+    """How many of the ``count`` tensors of this (shape, dtype) follow the batch: those the one-sample-larger
+    step no longer saves under the same shape. (At 4 × 512 tokens a [tokens, 2048] activation has the shape
+    of a [2048, 2048] weight; the weight stays at the larger batch, the activation moves.)"""
+    return count - min(count, larger.get(key, 0))
+
+
+def table(saved: collections.Counter[Key], larger: collections.Counter[Key], floor: int) -> list[str]:
+    """Markdown rows, largest first, entries under ``floor`` bytes folded into one row."""
+    lines = ["| saved tensor | count | of which follow the batch | MiB |", "|---|---|---|---|"]
     rows = sorted(saved.items(), key=lambda item: -nbytes(*item))
     small = sum(nbytes(key, count) for key, count in rows if nbytes(key, count) < floor)
     for key, count in rows:
         if nbytes(key, count) >= floor:
             shape, dtype = key
-            scales = "no" if other_batch.get(key) == count else "yes"
             lines.append(f"| {list(shape)} {str(dtype).removeprefix('torch.')} | {count} "
-                         f"| {nbytes(key, count) / MiB:.1f} | {scales} |")
+                         f"| {scaling(key, count, larger)} | {nbytes(key, count) / MiB:.1f} |")
     if small:
-        lines.append(f"| smaller ones | | {small / MiB:.1f} | |")
-    activations = sum(nbytes(k, c) for k, c in saved.items() if other_batch.get(k) != c)
-    total = sum(nbytes(k, c) for k, c in saved.items())
-    lines.append(f"| **total** | {sum(saved.values())} | {total / MiB:.1f} (activations {activations / MiB:.1f}) | |")
+        lines.append(f"| smaller ones | | | {small / MiB:.1f} |")
+    activations = sum(nbytes(key, scaling(key, count, larger)) for key, count in saved.items())
+    total = sum(nbytes(key, count) for key, count in saved.items())
+    lines.append(f"| **total** | {sum(saved.values())} | | {total / MiB:.1f} (activations {activations / MiB:.1f}) |")
     return lines
 
 
@@ -97,8 +102,8 @@ def main(argv: list[str] | None = None) -> str:
         train_step, optimizer = training_step(args.model, variants[name], args, device, layers=args.layers)
         train_step(args.batch)  # compile
         saved = saved_by_shape(train_step, args.batch)
-        other = saved_by_shape(train_step, args.batch + 1)
-        sections += ["", f"### {name}", "", *table(saved, other, int(args.floor_mib * MiB))]
+        larger = saved_by_shape(train_step, args.batch + 1)
+        sections += ["", f"### {name}", "", *table(saved, larger, int(args.floor_mib * MiB))]
         optimizer.state.clear()
         del train_step, optimizer
         release_memory()

@@ -2,6 +2,7 @@
 
     python benchmarks/wta_crs.py                                    # GPT-2-medium and BERT-base shapes, seq 512
     python benchmarks/wta_crs.py --models gpt2-medium --seq 1024
+    python benchmarks/wta_crs.py --models tinyllama                 # TinyLlama-1.1B's shape: SwiGLU, GQA
     python benchmarks/wta_crs.py --tiny --device cpu                # a smoke run of the script itself
 
 Models are built from configs (random init, no downloads) and trained with AdamW under bf16 autocast. Each
@@ -55,6 +56,16 @@ def build(name: str, tiny: bool, layers: int | None = None, attention: str = "sd
         model = transformers.GPT2LMHeadModel(config)
         model.loss_type = "ForCausalLM"
         return model, False
+    if name == "tinyllama":  # TinyLlama-1.1B's shape: RMSNorm, SwiGLU MLP, grouped-query attention
+        sizes = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=176, num_attention_heads=4) if tiny else {}
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=sizes.get("hidden_size", 2048),
+            intermediate_size=sizes.get("intermediate_size", 5632),
+            num_hidden_layers=layers or sizes.get("num_hidden_layers", 22),
+            num_attention_heads=sizes.get("num_attention_heads", 32), num_key_value_heads=4,
+            max_position_embeddings=2048, attn_implementation=attention,
+        )
+        return transformers.LlamaForCausalLM(config), False
     if name == "bert-base":
         sizes = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128) if tiny else {}
         if layers:
