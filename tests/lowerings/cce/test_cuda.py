@@ -112,3 +112,33 @@ def test_gradient_filter_at_cuda_tile_sizes(eps):
     )
     for name, actual, ref in zip(("hidden", "weight", "bias"), got, expected[:3], strict=True):
         assert _relative(actual, ref) < 1e-4, name
+
+
+OUT_OF_RANGE_TARGET = """
+import torch, sys
+sys.path.insert(0, {root!r})
+from lowerings.cce import linear_cross_entropy
+hidden = torch.randn(64, 32, device="cuda")
+weight = torch.randn(100, 32, device="cuda")
+targets = torch.randint(0, 100, (64,), device="cuda")
+targets[7] = 100
+step = torch.compile(linear_cross_entropy) if {compiled} else linear_cross_entropy
+step(hidden, weight, targets)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_out_of_range_target_fails_like_pytorch(compiled):
+    """An out-of-range target stops the program with a device-side assert, as PyTorch's CUDA cross-entropy
+    does (no host sync to raise an IndexError), instead of reading past the classifier. A subprocess: the
+    assert leaves the CUDA context unusable."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[3])
+    script = OUT_OF_RANGE_TARGET.format(root=root, compiled=compiled)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "device-side assert" in run.stderr or "out of bounds" in run.stderr, run.stderr[-2000:]
