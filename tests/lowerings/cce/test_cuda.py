@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,10 +137,6 @@ def test_out_of_range_target_fails_like_pytorch(compiled):
     """An out-of-range target stops the program with a device-side assert, as PyTorch's CUDA cross-entropy
     does (no host sync to raise an IndexError), instead of reading past the classifier. A subprocess: the
     assert leaves the CUDA context unusable."""
-    import pathlib
-    import subprocess
-    import sys
-
     root = str(pathlib.Path(__file__).resolve().parents[3])
     script = OUT_OF_RANGE_TARGET.format(root=root, compiled=compiled)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
