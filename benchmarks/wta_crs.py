@@ -11,8 +11,9 @@ AOTAutograd's activation memory budget at 0.5 (exact recomputation, the baseline
 beat), memopt with WTA-CRS off, and memopt with WTA-CRS at each budget. Peak = ``max_memory_allocated`` over
 a step (weights and optimizer state included); "activations" = that peak minus what was allocated before the
 step. The largest batch is extrapolated from the peaks at two batch sizes (memory is linear in the batch);
-``--verify-largest`` then runs a step at that batch and steps down by 4 % until one fits, so the figure is
-measured, not only predicted. ``--combine-budget`` adds memopt with WTA-CRS and the activation budget together.
+``--verify-largest`` then runs steps from that batch, down by 4 % until one fits or up by 4 % until one does
+not, so the figure is measured (within 4 %), not only predicted. ``--combine-budget`` adds memopt with
+WTA-CRS and the activation budget together.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
             capacity = 0.95 * torch.cuda.get_device_properties(device).total_memory
             result.max_batch = int(args.batch + (capacity - peak) / per_sample)
             if args.verify_largest:
-                result.largest_run = largest_that_runs(train_step, result.max_batch)
+                result.largest_run = largest_that_runs(runs_without_oom(train_step), result.max_batch)
         result.wta_groups = wta_groups()
     except torch.OutOfMemoryError:
         result.note = "out of memory"
@@ -225,19 +226,39 @@ def measure(name: str, variant: str, backend, args, device) -> Result:
     return result
 
 
-def largest_that_runs(train_step, estimate: int, step_down: float = 0.04, tries: int = 5) -> int | None:
-    """The first batch, from ``estimate`` down in steps of ``step_down``, whose training step runs without
-    running out of memory (the same compiled graph: the batch dimension is dynamic); None if none of them does."""
+def largest_that_runs(runs, estimate: int, step: float = 0.04, tries: int = 5) -> int | None:
+    """The largest batch, within a factor ``1 + step``, for which ``runs(batch)`` is true, searched from
+    ``estimate``: down in steps of ``step`` until one runs, or up until one does not. None if nothing tried
+    ran. ``runs`` is a training step that answers False when it runs out of memory."""
     size = estimate
+    if runs(size):
+        for _ in range(tries):
+            larger = max(size + 1, int(size * (1 + step)))
+            if not runs(larger):
+                break
+            size = larger
+        return size
     for _ in range(tries):
+        size = int(size * (1 - step))
+        if size >= 1 and runs(size):
+            return size
+    return None
+
+
+def runs_without_oom(train_step):
+    """``train_step`` as a predicate: True if a step at that batch completes, False if it runs out of device
+    memory (the cached blocks it left are released; the compiled graph stays: the batch dimension is dynamic)."""
+
+    def runs(size: int) -> bool:
         try:
             train_step(size)
             torch.cuda.synchronize()
-            return size
+            return True
         except torch.OutOfMemoryError:
             release_cached_blocks()
-            size = int(size * (1 - step_down))
-    return None
+            return False
+
+    return runs
 
 
 def release_cached_blocks() -> None:
