@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 
 from fxpass.report import error_note
 
-__all__ = ["cuda_peak", "error_note", "release_memory"]
+__all__ = ["cuda_peak", "error_note", "header", "release_memory", "write_report"]
 
 T = TypeVar("T")
 
@@ -32,3 +34,17 @@ def cuda_peak(fn: Callable[[], T]) -> tuple[T, int, int]:
     result = fn()
     torch.cuda.synchronize()
     return result, torch.cuda.max_memory_allocated(), before
+
+
+def header(title: str, device: torch.device) -> str:
+    """``title``, today's date, the device's name and torch's version: the first line of every report."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{title}, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}"
+
+
+def write_report(out: Path, name: str, text: str) -> str:
+    """Write ``text`` to ``out/name`` (creating ``out``) and print it; returns it."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(text + "\n")
+    print(text)
+    return text

@@ -19,14 +19,13 @@ import argparse
 import collections
 import logging
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import release_memory
+from benchmarks._common import header, release_memory, write_report
 from benchmarks.wta_crs import add_step_arguments, backends, training_step
 
 log = logging.getLogger("benchmarks.saved_tensors")
@@ -93,10 +92,9 @@ def main(argv: list[str] | None = None) -> str:
     variants = backends([args.budget], args.mode)
     default = f"torch.compile,memopt,memopt + WTA-CRS {args.budget}"
     names = (args.variants or default).split(",")
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     sections = [
-        f"Saved tensors of one training step, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}; "
-        f"{args.model} × {args.layers} layers, batch {args.batch} × {args.seq}, bf16 autocast"
+        header("Saved tensors of one training step", device)
+        + f"; {args.model} × {args.layers} layers, batch {args.batch} × {args.seq}, bf16 autocast"
     ]
     for name in names:
         train_step, optimizer = training_step(args.model, variants[name], args, device, layers=args.layers)
@@ -108,11 +106,7 @@ def main(argv: list[str] | None = None) -> str:
         del train_step, optimizer
         release_memory()
         log.info("%s done", name)
-    text = "\n".join(sections)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "saved_tensors.md").write_text(text + "\n")
-    print(text)
-    return text
+    return write_report(args.out, "saved_tensors.md", "\n".join(sections))
 
 
 if __name__ == "__main__":

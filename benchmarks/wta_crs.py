@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import cuda_peak, error_note, release_memory
+from benchmarks._common import cuda_peak, error_note, header, release_memory, write_report
 from lowerings.wta_crs import reset_estimates
 
 log = logging.getLogger("benchmarks.wta_crs")
@@ -307,15 +307,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
             results.append(measure(name, variant, backend, args, device))
             with (args.out / "wta_crs.partial.jsonl").open("a") as partial:  # survives a time limit
                 partial.write(json.dumps(dataclasses.asdict(results[-1])) + "\n")
-    header = (
-        f"WTA-CRS fine-tuning step, {time.strftime('%Y-%m-%d')}, "
-        f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-        f"bf16 autocast, AdamW, {args.attention} attention{' (tiny models)' if args.tiny else ''}"
-    )
-    text = header + "\n\n" + table(results)
-    (args.out / "wta_crs.md").write_text(text + "\n")
+    title = header("WTA-CRS fine-tuning step", device)
+    title += f", bf16 autocast, AdamW, {args.attention} attention{' (tiny models)' if args.tiny else ''}"
     (args.out / "wta_crs.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
-    print(text)
+    write_report(args.out, "wta_crs.md", title + "\n\n" + table(results))
     return results
 
 

@@ -26,7 +26,7 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import release_memory
+from benchmarks._common import header, release_memory, write_report
 from benchmarks.wta_crs import add_step_arguments, backends, training_step, wta_groups
 
 log = logging.getLogger("benchmarks.wta_crs_profile")
@@ -122,14 +122,12 @@ def main(argv: list[str] | None = None) -> str:
     for name, backend in chosen.items():
         results[name] = profile_variant(name, backend, args, device)
         release_memory()  # the variant's model and graphs went out of scope on return
-    where = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    text = (f"WTA-CRS step profile, {time.strftime('%Y-%m-%d')}, {where}, torch {torch.__version__}; "
-            f"{args.model} × {args.layers} layers, batch {args.batch} × {args.seq}, budget {args.budget}\n\n"
-            + report(results, args.top))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "wta_crs_profile.md").write_text(text + "\n")
-    print(text)
-    return text
+    text = (
+        header("WTA-CRS step profile", device)
+        + f"; {args.model} × {args.layers} layers, batch {args.batch} × {args.seq}, budget {args.budget}\n\n"
+        + report(results, args.top)
+    )
+    return write_report(args.out, "wta_crs_profile.md", text)
 
 
 if __name__ == "__main__":
