@@ -17,10 +17,12 @@ __all__ = ["cuda_peak", "error_note", "header", "release_memory", "write_report"
 T = TypeVar("T")
 
 
-def release_memory() -> None:
-    """Forget compiled graphs and free cached blocks, so one measurement's peak never leaks into the next."""
+def release_memory(forget_compiled: bool = True) -> None:
+    """Free cached blocks, so one measurement's peak never leaks into the next; ``forget_compiled`` also drops
+    the compiled graphs (between variants; not after an out-of-memory step of a graph still in use)."""
     gc.collect()
-    torch._dynamo.reset()
+    if forget_compiled:
+        torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
 import lowerings  # noqa: F401
-from benchmarks._common import cuda_peak, error_note, release_memory
+from benchmarks._common import cuda_peak, error_note, header, release_memory, write_report
 
 log = logging.getLogger("benchmarks.attention")
 MiB = 1 << 20
@@ -216,14 +215,10 @@ def main(argv: list[str] | None = None) -> list[Result]:
         results += model_step(args.model_len, dtype)
     import triton
 
-    header = (
-        f"Attention, {time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}, cuDNN {torch.backends.cudnn.version()}, {args.dtype}"
-    )
-    text = header + "\n\n" + table(results)
-    (args.out / "attention.md").write_text(text + "\n")
+    title = header("Attention", torch.device("cuda"))
+    title += f", triton {triton.__version__}, cuDNN {torch.backends.cudnn.version()}, {args.dtype}"
     (args.out / "attention.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
-    print(text)
+    write_report(args.out, "attention.md", title + "\n\n" + table(results))
     return results
 
 

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowerings  # noqa: F401
+from benchmarks._common import header, write_report
 from lowerings.flash_attention import kernels
 
 log = logging.getLogger("benchmarks.attention_numerics")
@@ -136,13 +136,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"| {r['dtype']} | {r['T']} | {r['causal']} | {r['impl']} | {r.get('max', float('nan')):.2e} "
             f"| {r.get('mean', float('nan')):.2e} | {ratio} |"
         )
-    header = f"Attention deviation from FP64, {time.strftime('%Y-%m-%d')}, {torch.cuda.get_device_name()}, " \
-             f"torch {torch.__version__}, B{args.batch} H{args.heads} d{args.head_dim}"
-    text = header + "\n\n" + "\n".join(lines)
-    (args.out / "attention_numerics.md").write_text(text + "\n")
+    title = header("Attention deviation from FP64", torch.device("cuda"))
+    title += f", B{args.batch} H{args.heads} d{args.head_dim}"
     (args.out / "attention_numerics.json").write_text(json.dumps(rows, indent=2))
     plot(rows, args.out / "attention_numerics.png")
-    print(text)
+    write_report(args.out, "attention_numerics.md", title + "\n\n" + "\n".join(lines))
     return rows
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import cuda_peak, error_note, release_memory
+from benchmarks._common import cuda_peak, error_note, release_memory, write_report
 from lowerings.cce import linear_cross_entropy
 
 log = logging.getLogger("benchmarks.cce")
@@ -332,12 +332,11 @@ def main(argv: list[str] | None = None) -> list[Result]:
         f"N={args.tokens} V={args.vocab} D={args.dim} bf16; data {json.dumps(stats)}"
     )
     text = markdown(results, header) + "\n\n" + markdown(sweep, "N sweep (uniform data, loss+grad)")
-    (args.out / "cce.md").write_text(text + "\n")
     payload = {"environment": env, "args": vars(args) | {"out": str(args.out)}, "data": stats,
                "results": [dataclasses.asdict(r) for r in results], "sweep": [dataclasses.asdict(r) for r in sweep]}
     (args.out / "cce.json").write_text(json.dumps(payload, indent=2))
     plot(results, sweep, args.out / "cce.png")
-    print(text)
+    write_report(args.out, "cce.md", text)
     return results
 
 

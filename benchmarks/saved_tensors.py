@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, release_memory, write_report
-from benchmarks.wta_crs import add_step_arguments, backends, training_step
+from benchmarks.wta_crs import add_model_arguments, add_step_arguments, backends, training_step
 
 log = logging.getLogger("benchmarks.saved_tensors")
 MiB = 1 << 20
@@ -78,10 +78,7 @@ def table(saved: collections.Counter[Key], larger: collections.Counter[Key], flo
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2-medium")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--budget", type=float, default=0.3)
+    add_model_arguments(parser, layers=2, batch=4)
     parser.add_argument("--variants", default=None, help="comma-separated variant names (benchmarks/wta_crs.py)")
     parser.add_argument("--floor-mib", type=float, default=1.0, help="fold smaller entries into one row")
     add_step_arguments(parser)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import gc
 import json
 import logging
 import statistics
@@ -91,7 +90,7 @@ def compile_with_activation_budget(fn, budget: float, mode: str | None = None, b
     rest (AOTAutograd's ``activation_memory_budget``): the exact, recompute-based way to trade time for memory,
     the baseline WTA-CRS must beat. The budget is read when the joint graph is partitioned, at the first call;
     memopt's backend hands its graph to the same partitioner, so the two can be combined."""
-    compiled = torch.compile(fn, backend=backend) if backend != "inductor" else torch.compile(fn, mode=mode)
+    compiled = torch.compile(fn, backend=backend, mode=mode)
 
     def run(*args):
         with torch._functorch.config.patch(activation_memory_budget=budget):
@@ -133,6 +132,14 @@ class Result:
     largest_run: int | None = None
     wta_groups: int = 0
     note: str = ""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, layers: int, batch: int) -> None:
+    """The model, its depth, the batch and the WTA-CRS budget, for the scripts that study one cut-down model."""
+    parser.add_argument("--model", default="gpt2-medium")
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--budget", type=float, default=0.3)
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
@@ -255,16 +262,10 @@ def runs_without_oom(train_step):
             torch.cuda.synchronize()
             return True
         except torch.OutOfMemoryError:
-            release_cached_blocks()
+            release_memory(forget_compiled=False)
             return False
 
     return runs
-
-
-def release_cached_blocks() -> None:
-    """Free what an out-of-memory step left in the caching allocator, keeping the compiled graphs."""
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def table(results: list[Result]) -> str:

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
+from benchmarks._common import write_report
 from examples.gpt import GPT, GPTConfig
 from examples.train_gpt import build_dataset, eval_batches, evaluate, get_batch
 from lowerings.wta_crs import reset_estimates
@@ -176,11 +177,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{args.n_layer}×{args.n_embd}, vocabulary {data.tokenizer.vocab_size}, "
         f"batch {args.batch_size}×{args.seq_len}, {args.steps} steps, seeds {args.seeds}\n\n" + summary(runs)
     )
-    (args.out / "wta_crs_convergence.md").write_text(text + "\n")
     (args.out / "wta_crs_convergence.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                                    "runs": runs}))
     plot(runs, args.out / "wta_crs_convergence.png")
-    print(text)
+    write_report(args.out, "wta_crs_convergence.md", text)
     return runs
 
 

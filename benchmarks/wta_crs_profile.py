@@ -27,7 +27,7 @@ from torch.autograd import DeviceType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import header, release_memory, write_report
-from benchmarks.wta_crs import add_step_arguments, backends, training_step, wta_groups
+from benchmarks.wta_crs import add_model_arguments, add_step_arguments, backends, training_step, wta_groups
 
 log = logging.getLogger("benchmarks.wta_crs_profile")
 
@@ -104,10 +104,7 @@ def report(results: dict[str, tuple[float, dict, int]], top: int) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2-medium")
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--budget", type=float, default=0.3)
+    add_model_arguments(parser, layers=6, batch=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)

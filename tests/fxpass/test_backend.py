@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+import torch._functorch.config as functorch_config
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.exc import BackendCompilerFailed
@@ -212,8 +213,6 @@ class TestOptions:
     def test_activation_memory_budget_keeps_the_rewrite(self, device):
         """memopt's graph goes through AOTAutograd's budgeted partitioner (recomputation) unchanged: torch
         2.11's partitioner failed on an output-less node the CCE body once traced, and memopt fell back."""
-        import torch._functorch.config as functorch_config
-
         weight, step = _step()
         weight.data = weight.data.to(device)
         h, t = (x.detach().to(device).requires_grad_(x.requires_grad) for x in _batch(4, 16))
