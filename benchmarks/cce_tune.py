@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> None:
             grid = (triton_cdiv(n, bn) * triton_cdiv(chunk, bv),)
             grad = _bench(
                 lambda config=config, grid=grid: kernels._grad_logits_kernel[grid](
-                    e, c, None, t, lse, grad_rows, zeros, g, n, v, d, 0, chunk,
-                    e.stride(0), e.stride(1), c.stride(0), c.stride(1), g.stride(0), 1.0, 0.0, 1.0,
-                    HAS_BIAS=False, HAS_SOFTCAP=False, IEEE=False, **config,
+                    e, c, None, t, lse, grad_rows, zeros, g, None, None, n, v, d, 0, chunk,
+                    e.stride(0), e.stride(1), c.stride(0), c.stride(1), g.stride(0), 1.0, 0.0, 1.0, 0.0,
+                    HAS_BIAS=False, HAS_SOFTCAP=False, IEEE=False, FILTER=False, ROUND=False, **config,
                 )
             )
             print(

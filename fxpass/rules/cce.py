@@ -83,6 +83,8 @@ class CceMatch:
     blocker: str | None = None
     # z-loss terms: (logsumexp node, the chain node it reads, casts between them) served by the op's lse
     log_sum_exps: tuple[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]], ...] = ()
+    # the classifier's output is also used outside the loss (returned, say): memopt.cce_with_logits serves both
+    returns_logits: bool = False
 
     @property
     def anchor(self) -> fx.Node:
@@ -112,6 +114,7 @@ class CceMatch:
             softcap=self.softcap,
             bias=self.bias is not None,
             z_loss_terms=len(self.log_sum_exps),
+            returns_logits=self.returns_logits,
         )
         return params
 
@@ -185,7 +188,11 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
     candidate = CceMatch(loss, path, source, hidden, weight, transposed, bias, softcap)
     candidate = dataclasses.replace(candidate, log_sum_exps=_log_sum_exp_users(candidate))
     escape = _escape(candidate, facts)
-    return dataclasses.replace(candidate, blocker=escape) if escape else candidate
+    if escape is None:
+        return candidate
+    if escape is RETURNED:
+        return dataclasses.replace(candidate, returns_logits=True)
+    return dataclasses.replace(candidate, blocker=escape)
 
 
 def _unsupported_arguments(loss: LossCall) -> str | None:
@@ -414,19 +421,57 @@ def _is_log_sum_exp_over_last_dim(node: fx.Node) -> bool:
     return len(dims) == 1 and isinstance(dims[0], int) and dims[0] % value.dim() == value.dim() - 1
 
 
+# ``_escape``'s answer when only the classifier's own output is used outside the loss.
+RETURNED = "the classifier's output is used outside the loss"
+
+
 def _escape(candidate: CceMatch, facts: GraphFacts) -> str | None:
-    """Why the logits stay alive anyway (used outside the loss, or returned), or None."""
-    for node, user in facts.outside_users([candidate.classifier, *candidate.path], inside=candidate.nodes):
-        if user.op == "output":
+    """None when only the loss reads the logits; ``RETURNED`` when the classifier's output is also used
+    elsewhere (returned from the graph, or read by another op) in a way ``memopt.cce_with_logits`` can serve;
+    otherwise why the logits stay alive anyway."""
+    outside = facts.outside_users([candidate.classifier, *candidate.path], inside=candidate.nodes)
+    if not outside:
+        return None
+    for node, user in outside:
+        if node is not candidate.classifier:
+            used = "returned from the compiled graph" if user.op == "output" else f"used by {describe_node(user)}"
             return (
-                f"the logits ({node.name}) are returned from the compiled graph, so they stay alive and "
-                "rewriting saves nothing; compile a function that returns only the loss"
+                f"a copy of the logits ({node.name}, made on the way to the loss) is {used}, so it stays alive "
+                "and rewriting saves nothing; return the classifier's own output instead"
             )
+    shift = next((node for node in candidate.path if view_kind(node) is ViewKind.INDEX), None)
+    if shift is not None:
         return (
-            f"the logits ({node.name}) are also used by {describe_node(user)}, so they stay alive and "
-            "rewriting saves nothing"
+            f"the logits are used outside the loss and the loss reads a subset of their rows ({describe_node(shift)}); "
+            "memopt.cce_with_logits needs the loss rows to be the logits' rows (shift the labels instead, as HF does)"
         )
-    return None
+    late = _inputs_after(candidate, _insertion_point(candidate))
+    if late is not None:
+        return (
+            f"the logits are used outside the loss before {describe_node(late)} is computed, which the fused op "
+            "needs; compute the targets before using the logits"
+        )
+    return RETURNED
+
+
+def _outside_users(candidate: CceMatch) -> list[fx.Node]:
+    """Users of the classifier's output outside the loss's chain, in graph order."""
+    inside = {*candidate.nodes}
+    return [user for user in candidate.classifier.users if user not in inside]
+
+
+def _insertion_point(candidate: CceMatch) -> fx.Node:
+    """Where the fused op goes: before the loss, or before an earlier outside use of the logits."""
+    later_than = {node: index for index, node in enumerate(candidate.loss.node.graph.nodes)}
+    return min([candidate.loss.node, *_outside_users(candidate)], key=later_than.__getitem__)
+
+
+def _inputs_after(candidate: CceMatch, point: fx.Node) -> fx.Node | None:
+    """The first of the fused op's inputs that the graph computes at or after ``point``, if any."""
+    order = {node: index for index, node in enumerate(point.graph.nodes)}
+    inputs = (candidate.hidden, candidate.weight, candidate.bias, candidate.loss.targets)
+    late = [node for node in inputs if isinstance(node, fx.Node) and order[node] >= order[point]]
+    return min(late, key=order.__getitem__) if late else None
 
 
 # --- decide -----------------------------------------------------------------------------------------------
@@ -435,7 +480,12 @@ def _escape(candidate: CceMatch, facts: GraphFacts) -> str | None:
 def decide(candidate: CceMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
-    return decide_on_saving(memory_model(candidate), config, "logits never materialized")
+    what = (
+        "logits computed once and returned, never saved for backward"
+        if candidate.returns_logits
+        else "logits never materialized"
+    )
+    return decide_on_saving(memory_model(candidate), config, what)
 
 
 def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
@@ -448,7 +498,9 @@ def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
     vocab, dim = ce_input.shape[-1], hidden.shape[-1]
     rows = ce_input.shape[0]
     dtype = logits.dtype  # the classifier's compute dtype (autocast's, if it was on)
-    forward = shapes.nbytes(logits)
+    # Logits the graph returns exist either way, and so does the gradient autograd hands them (zeros if unused).
+    returned = shapes.nbytes(logits) if candidate.returns_logits else 0
+    forward = shapes.nbytes(logits) - returned
     backward = shapes.nbytes(ce_input) + (shapes.nbytes(logits) if logits.dtype != ce_input.dtype else 0)
     for node in candidate.path:
         if _materializes(node):
@@ -459,7 +511,12 @@ def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
             forward, backward
         ),
     }
-    return shapes.MemoryModel(before, working_set(rows, vocab, dim, dtype, hidden.device))
+    after = working_set(rows, vocab, dim, dtype, hidden.device)
+    if candidate.returns_logits:
+        for terms in (before, after):
+            terms["returned: the logits [N, V], alive while the caller keeps them"] = returned
+            terms["transient (backward): the returned logits' gradient (zeros when unused)"] = returned
+    return shapes.MemoryModel(before, after)
 
 
 def _materializes(node: fx.Node) -> bool:
@@ -482,7 +539,7 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
     def add(op: str, target: Any, *args: Any) -> fx.Node:
         return insert_node(graph, op, target, args, meta_from=loss_node, fake_mode=fake_mode)
 
-    with graph.inserting_before(loss_node):
+    with graph.inserting_before(_insertion_point(candidate)):
         hidden = candidate.hidden
         hidden_at = {candidate.classifier: hidden}  # the hidden states whose rows match each chain node's
         for node in candidate.path:
@@ -500,30 +557,42 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             weight = add("call_method", "t", weight)
         bias = cast_to(add, candidate.bias, dtype) if candidate.bias is not None else None
         loss = candidate.loss
-        fused = add(
-            "call_function",
-            torch.ops.memopt.cce.default,
-            hidden,
-            weight,
-            bias,
-            loss.targets,
-            loss.ignore_index,
-            loss.reduction,
-            float(loss.label_smoothing),
+        arguments = (
+            hidden, weight, bias, loss.targets, loss.ignore_index, loss.reduction, float(loss.label_smoothing),
             candidate.softcap,
-            *([filter_eps] if (filter_eps := config.cce_filter_for(dtype)) else []),
         )
+        if candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
+            fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments)
+        else:
+            filter_eps = [eps] if (eps := config.cce_filter_for(dtype)) else []
+            fused = add("call_function", torch.ops.memopt.cce.default, *arguments, *filter_eps)
         result = _cast_like(add, add("call_function", operator.getitem, fused, 0), loss_node)
         replacements = [(loss_node, result)]
+        if candidate.returns_logits:
+            replacements.append((candidate.classifier, _returned_logits(add, fused, candidate.hidden)))
         for lse_node, source, _ in candidate.log_sum_exps:
             rows = add("call_function", operator.getitem, fused, 1)
             size = add("call_method", "size", hidden_at[source])
             lead = add("call_function", operator.getitem, size, slice(None, -1))
             replacements.append((lse_node, _cast_like(add, add("call_method", "reshape", rows, lead), lse_node)))
+    inside = {*candidate.nodes}
     for old, new in replacements:
-        old.replace_all_uses_with(new)
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
     transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
     erase_unused([*candidate.nodes, *transposes])
+
+
+def _returned_logits(add, fused: fx.Node, hidden: fx.Node) -> fx.Node:
+    """The op's [N, V] logits shaped as the classifier returned them: the hidden states' leading dims, then V."""
+    logits = add("call_function", operator.getitem, fused, 2)
+    sizes = tensor_value(hidden).shape[:-1]
+    if len(sizes) == 1:
+        return logits
+    static = [shapes.constant(size) for size in sizes]
+    if None not in static:
+        return add("call_method", "view", logits, *static, -1)
+    lead = add("call_function", operator.getitem, add("call_method", "size", hidden), slice(None, -1))
+    return add("call_method", "reshape", logits, add("call_function", operator.add, lead, (-1,)))
 
 
 def _cast_like(add, node: fx.Node, like: fx.Node) -> fx.Node:

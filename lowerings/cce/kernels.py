@@ -50,12 +50,14 @@ def _logit_tile(
     E, C, bias, rows, cols, vocab, n_rows, n_cols, dim,
     stride_en, stride_ed, stride_cv, stride_cd,
     softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (softcapped), and tanh(x/c) for the chain rule.
 
-    ``vocab`` are the classes at those columns: ``cols`` itself, or their classes in a sorted vocabulary."""
+    ``vocab`` are the classes at those columns: ``cols`` itself, or their classes in a sorted vocabulary.
+    ROUND rounds the linear's output to the input dtype before the softcap, as a GEMM that writes the logits in
+    that dtype does: the backward of ``cce_with_logits`` must see the logits its forward's GEMM returned."""
     row_ok = rows < n_rows
     col_ok = cols < n_cols
     e_rows = E + rows.to(tl.int64)[:, None] * stride_en
@@ -74,6 +76,8 @@ def _logit_tile(
             acc = tl.dot(e, tl.trans(c), acc)
     if HAS_BIAS:
         acc += tl.load(bias + vocab, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND:
+        acc = acc.to(E.dtype.element_ty).to(tl.float32)
     capped = acc
     if HAS_SOFTCAP:
         capped = _tanh(acc / softcap)
@@ -109,7 +113,7 @@ def _lse_forward_kernel(
         cols = v + tl.arange(0, BLOCK_V)
         logits, _ = _logit_tile(
             E, C, bias, rows, cols, cols, n_rows, col_hi, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-            HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
+            HAS_BIAS, HAS_SOFTCAP, IEEE, False, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         col_ok = (cols < col_hi)[None, :]
         target_logit += tl.sum(tl.where(cols.to(tl.int64)[None, :] == target[:, None], logits, 0.0), axis=1)
@@ -134,7 +138,7 @@ def _grad_logits_kernel(
     stride_en, stride_ed, stride_cv, stride_cd, stride_gn,
     smoothing_keep, smoothing_spread, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, FILTER: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """G[n, j] = ∂(Σ g_n·loss_n + Σ h_n·lse_n)/∂logit[n, col_start + j], written in G's dtype.
 
@@ -158,7 +162,7 @@ def _grad_logits_kernel(
         vocab = cols
     logits, capped = _logit_tile(
         E, C, bias, rows, cols, vocab, n_rows, n_cols, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, IEEE, BLOCK_N, BLOCK_V, BLOCK_D,
+        HAS_BIAS, HAS_SOFTCAP, IEEE, ROUND, BLOCK_N, BLOCK_V, BLOCK_D,
     )
     row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
     g_loss = tl.load(grad_rows + rows, mask=row_ok, other=0.0)
@@ -386,8 +390,15 @@ def backward(
     softcap: float | None,
     needs: tuple[bool, bool, bool],
     filter_eps: float = 0.0,
+    grad_logits: torch.Tensor | None = None,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. hidden, weight, bias (empty where not needed); the reference's contract.
+
+    ``grad_logits`` [N, V] is the gradient that reached logits the forward returned (``cce_with_logits``):
+    it is added to each chunk's logit gradient before the two GEMMs, so it costs no pass of its own. It turns
+    the filter off (its tiles are not negligible in general). ``round_logits`` recomputes the logits rounded to
+    the input dtype, as that op's forward GEMM wrote them and took its log-sum-exp from.
 
     ``filter_eps`` > 0 turns on the speed options of Wijmans et al. 2024 (§4.3): the vocabulary is walked in
     descending order of its mean logit, so that the columns where some row's softmax is not negligible
@@ -405,7 +416,7 @@ def backward(
     grad_bias = weight.new_zeros(n_cols, dtype=torch.float32) if need_bias else None
     row_tiles, col_tiles = triton.cdiv(n_rows, blocks["BLOCK_N"]), triton.cdiv(chunk, blocks["BLOCK_V"])
     grid = (row_tiles * col_tiles,)
-    filtering = filter_eps > 0.0
+    filtering = filter_eps > 0.0 and grad_logits is None
     order = vocabulary_order(hidden, weight, bias) if filtering else None
     live = hidden.new_empty((row_tiles, col_tiles), dtype=torch.int8) if filtering else None
     for start in range(0, n_cols, chunk):
@@ -417,8 +428,10 @@ def backward(
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),
             1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0, filter_eps,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=exact_fp32_products(hidden.dtype),
-            FILTER=filtering, **blocks,
+            FILTER=filtering, ROUND=round_logits, **blocks,
         )
+        if grad_logits is not None:
+            g.add_(grad_logits[:, start : start + cols])
         classes = order[start : start + cols] if filtering else None
         tiles = None
         if filtering:  # the kernel numbered this chunk's tiles row-major over its own column tiles

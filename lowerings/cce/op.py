@@ -104,16 +104,20 @@ def cce_backward_rows(
     need_weight: bool,
     need_bias: bool,
     filter_eps: float = 0.0,
+    grad_logits: torch.Tensor | None = None,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The CPU reference recomputes logits with the forward's own matmul, so they are rounded as it rounded them.
     needs = (need_hidden, need_weight, need_bias)
     return reference.backward(
-        hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs
+        hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
+        grad_logits,
     )
 
 
 @cce_backward_rows.register_fake
 def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-      need_hidden, need_weight, need_bias, filter_eps=0.0):
+      need_hidden, need_weight, need_bias, filter_eps=0.0, grad_logits=None, round_logits=False):
     return _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -121,10 +125,11 @@ if HAS_TRITON:
 
     @cce_backward_rows.register_kernel("cuda")
     def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-          need_hidden, need_weight, need_bias, filter_eps=0.0):
+          need_hidden, need_weight, need_bias, filter_eps=0.0, grad_logits=None, round_logits=False):
         needs = (need_hidden, need_weight, need_bias)
         return kernels.backward(
-            hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs, filter_eps
+            hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs, filter_eps,
+            grad_logits, round_logits,
         )
 
 
@@ -219,12 +224,14 @@ def cce_backward(
     need_weight: bool,
     need_bias: bool,
     filter_eps: float = 0.0,
+    grad_logits: torch.Tensor | None = None,
+    round_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     targets = targets.long()
     grad_rows = _grad_rows(grad_loss, targets != ignore_index, reduction)
     return torch.ops.memopt.cce_backward_rows(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-        need_hidden, need_weight, need_bias, filter_eps,
+        need_hidden, need_weight, need_bias, filter_eps, grad_logits, round_logits,
     )
 
 

@@ -1,7 +1,8 @@
 """HF transformers models from tiny configs under ``backend="memopt"``: one CCE rewrite, eager's loss and gradients.
 
 No downloads: every model is built from a config, with all dropout probabilities 0 so eager and compiled runs see
-the same function. A step that returns only the loss is rewritten; one that returns the logits declines.
+the same function. A step that returns only the loss gets ``memopt.cce``; the whole model compiled, which returns its logits
+too, gets ``memopt.cce_with_logits`` and still returns eager's logits, with their gradient.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ pytestmark = pytest.mark.slow
 
 VOCAB, SEQ, BATCH = 384, 12, 2
 FAST = {"force": True, "inner_compiler": "aot_eager"}
-ESCAPED = "are returned from the compiled graph"
 
 
 def _gpt2(n_layer: int = 2) -> transformers.GPT2LMHeadModel:
@@ -141,31 +141,67 @@ def test_num_items_in_batch_rewrites_with_sum(name):
     assert not torch.allclose(step(ids, labels, num_items), mean_loss)
 
 
+def _z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """A second loss on the returned logits (z-loss), so that a real gradient reaches them."""
+    return 1e-2 * torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+def _check_whole_model(model, ids, labels, use_logits: bool, options=FAST, **tol) -> fxpass.RewriteRecord:
+    """``torch.compile(model)`` as users call it: the output's loss and logits equal eager's, and so do the
+    gradients of the loss alone (the logits dropped) or of the loss plus a second loss on the logits."""
+    names, params = _parameters(model)
+    expected = model(input_ids=ids, labels=labels)
+    expected_total = expected.loss + (_z_loss(expected.logits) if use_logits else 0)
+    expected_grads = _grads(expected_total, params)
+
+    fxpass.clear_reports()
+    compiled = torch.compile(model, backend="memopt", fullgraph=True, options=options)
+    actual = compiled(input_ids=ids, labels=labels)
+    actual_grads = _grads(actual.loss + (_z_loss(actual.logits) if use_logits else 0), params)
+
+    applied = _cce_records(applied=True)
+    assert len(applied) == 1, [r.reason for g in _final_reports() for r in g.records]
+    assert applied[0].params["returns_logits"] is True
+    torch.testing.assert_close(actual.loss, expected.loss, **tol)
+    torch.testing.assert_close(actual.logits, expected.logits, **tol)
+    for name, a, e in zip(names, actual_grads, expected_grads, strict=True):
+        assert a is not None and e is not None, name
+        torch.testing.assert_close(a, e, msg=lambda m, n=name: f"gradient of {n}: {m}", **tol)
+    return applied[0]
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("returns", ["output", "loss_and_logits"])
-def test_returning_logits_declines(name, returns):
+@pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
+def test_whole_model_compile_returns_exact_logits(name, use_logits):
     model = MODELS[name]()
     ids, labels = _batch(masked_lm=name == "bert")
+    _check_whole_model(model, ids, labels, use_logits)
 
-    def whole_output(ids, labels):
-        return model(input_ids=ids, labels=labels)
 
-    def loss_and_logits(ids, labels):
-        out = model(input_ids=ids, labels=labels)
-        return out.loss, out.logits
+def _saved_tensor_shapes(fn) -> list[tuple[int, ...]]:
+    """Shapes of every tensor autograd saves while ``fn`` runs (the compiled graph's saved activations)."""
+    shapes: list[tuple[int, ...]] = []
 
-    fn = whole_output if returns == "output" else loss_and_logits
-    fxpass.clear_reports()
-    result = torch.compile(fn, backend="memopt", fullgraph=True, options=FAST)(ids, labels)
-    loss, logits = (result.loss, result.logits) if returns == "output" else result
+    def pack(tensor):
+        shapes.append(tuple(tensor.shape))
+        return tensor
 
-    assert _cce_records(applied=True) == []
-    declined = _cce_records(applied=False)
-    assert len(declined) == 1
-    assert ESCAPED in declined[0].reason and "compile a function that returns only the loss" in declined[0].reason
-    expected = model(input_ids=ids, labels=labels)
-    torch.testing.assert_close(loss, expected.loss)
-    torch.testing.assert_close(logits, expected.logits)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return shapes
+
+
+@pytest.mark.parametrize("memopt", [False, True], ids=["plain_compile", "memopt"])
+def test_whole_model_saves_nothing_logits_sized(memopt):
+    """Plain compile keeps [N, V] (log-probabilities) for backward; memopt keeps nothing with V columns but the
+    classifier itself, so logits dropped by the caller die at once."""
+    model = _gpt2()
+    ids, labels = _batch(masked_lm=False)
+    compiled = torch.compile(model, backend="memopt" if memopt else "aot_eager", fullgraph=True,
+                             options=FAST if memopt else None)
+    shapes = _saved_tensor_shapes(lambda: compiled(input_ids=ids, labels=labels))
+    logits_sized = [shape for shape in shapes if shape and shape[-1] == VOCAB and shape != (VOCAB, 32)]
+    assert bool(logits_sized) is not memopt, shapes
 
 
 def test_gpt2_through_inductor():
@@ -180,3 +216,9 @@ def test_gpt2_through_inductor():
         return model(input_ids=ids, labels=labels).loss
 
     _check_against_eager(model, step, ids, labels, options={"force": True})
+
+
+def test_gpt2_whole_model_through_inductor():
+    """The whole model under Inductor: the returned logits' gradient (zeros when dropped, a z-loss's here)
+    reaches the fused backward through AOTAutograd's tangents."""
+    _check_whole_model(_gpt2(n_layer=1), *_batch(masked_lm=False), use_logits=True, options={"force": True})

@@ -1,7 +1,7 @@
 """The nanoGPT-style example model under ``backend="memopt"``: tied head, ``ignore_index=-1``, (logits, loss).
 
 A step returning only the loss is rewritten and gives eager's loss and gradients; the model's own forward
-returns the logits and declines; dynamic shapes compile once; and a few optimizer steps through Inductor follow
+returns the logits too and gets ``cce_with_logits``; dynamic shapes compile once; and a few optimizer steps through Inductor follow
 plain ``torch.compile`` step by step.
 """
 
@@ -77,19 +77,27 @@ def test_loss_step_is_rewritten_and_matches_eager():
     _assert_grads_equal(actual_grads, expected_grads, names)
 
 
-def test_model_forward_returning_logits_declines():
+@pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
+def test_model_forward_returning_logits_is_rewritten(use_logits):
+    """The model compiled whole returns ``(logits, loss)``: the logits come from ``cce_with_logits`` and equal
+    eager's, and so do the gradients, with the logits dropped or used by a second loss."""
     model = _model()
+    names, params = zip(*model.named_parameters(), strict=True)
     idx, targets = _batch()
+
+    def total(logits, loss):
+        return loss + (1e-2 * logits.square().mean() if use_logits else 0)
+
+    expected_logits, expected_loss = model(idx, targets)
+    expected_grads = torch.autograd.grad(total(expected_logits, expected_loss), params)
     fxpass.clear_reports()
     logits, loss = torch.compile(model, backend="memopt", fullgraph=True, options=FAST)(idx, targets)
 
-    records = [r for g in fxpass.reports() for r in g.records if r.rule == "cce"]
-    assert records and not any(r.applied for r in records)
-    assert all("are returned from the compiled graph" in r.reason for r in records), [r.reason for r in records]
-    assert "compile a function that returns only the loss" in records[0].reason
-    expected_logits, expected_loss = model(idx, targets)
+    applied = _applied()
+    assert len(applied) == 1 and applied[0].params["returns_logits"] is True
     torch.testing.assert_close(logits, expected_logits)
     torch.testing.assert_close(loss, expected_loss)
+    _assert_grads_equal(torch.autograd.grad(total(logits, loss), params), expected_grads, names)
 
 
 def test_dynamic_shapes_compile_once():

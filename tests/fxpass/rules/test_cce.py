@@ -267,7 +267,7 @@ class GraphModule(torch.nn.Module):
 
         ex = rewritten(loss, torch.randn(2, 5, D), torch.randint(0, V, (2, 5)))
         self.assertFalse(ex.applied)
-        self.assertIn("also used by logsumexp", ex.records[0].reason)
+        self.assertIn("the loss reads a subset of their rows", ex.records[0].reason)
 
     def test_low_precision_logits_keep_loss_dtype(self):
         """bf16 logits without ``.float()``: the loss stays bf16 as in eager, computed in fp32 inside."""
@@ -324,30 +324,109 @@ class GraphModule(torch.nn.Module):
         return (getitem,)""")
 
 
-class TestDeclines(TestCase):
-    def _decisions(self, fn, *args, **options):
-        return record_lines(rewritten(fn, *args, **options))
+def _check_returned(fn, params, *args, second_loss=None, **options):
+    """``fn`` returns (logits, loss): the rewritten function returns eager's logits and loss, and the gradients of
+    the loss alone (logits unused: autograd hands them zeros) and of the loss plus ``second_loss(logits)``."""
+    explanation = rewritten(fn, *args, **options)
+    logits, loss = explanation.result
+    expected_logits, expected_loss = fn(*args)
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
+    assert_close_all(grads(loss, params), grads(expected_loss, params))
+    if second_loss is not None:
+        logits, loss = rewritten(fn, *args, **options).result  # fresh graphs for a second backward
+        expected_logits, expected_loss = fn(*args)
+        expected = expected_loss + second_loss(expected_logits)
+        assert_close_all(grads(loss + second_loss(logits), params), grads(expected, params))
+    return explanation
 
-    def test_logits_returned(self):
+
+def _z_loss(logits):
+    return 1e-2 * torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class TestReturnedLogits(TestCase):
+    """A graph that returns its logits beside the loss (a whole model compiled) gets ``cce_with_logits``."""
+
+    def test_returned_logits_and_their_gradient(self):
         weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
 
         def fn(h, t):
             logits = F.linear(h, weight)
             return logits, F.cross_entropy(logits.view(-1, V), t.view(-1))
 
-        self.assertExpectedInline(
-            self._decisions(fn, torch.randn(2, 3, D), torch.randint(0, V, (2, 3))), """cce applied=False proof=None: the logits (logits) are returned from the compiled graph, so they stay alive and rewriting saves nothing; compile a function that returns only the loss"""
-        )
+        ex = _check_returned(fn, [hidden, weight], hidden, torch.randint(0, V, (2, 3)), second_loss=_z_loss)
+        self.assertEqual(ex.records[0].params["returns_logits"], True)
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_t_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_t_ = L_t_
+        view_1: "i64[6]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None);  reshape = l_weight_ = view_1 = None
+        getitem: "f32[]cpu" = cce_with_logits_default[0]
+        getitem_1: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
+        view_2: "f32[2, 3, 40]cpu" = getitem_1.view(2, 3, -1);  getitem_1 = None
+        return (view_2, getitem)""")
 
     def test_logits_used_elsewhere(self):
+        """Another op of the graph reads the logits (an accuracy metric): it reads the op's logits."""
+        weight, bias = _params(bias=True)
+        hidden = torch.randn(6, D, requires_grad=True)
+
+        def fn(h, t):
+            logits = F.linear(h, weight, bias)
+            accuracy = (logits.argmax(-1) == t).float().mean()
+            return accuracy, F.cross_entropy(logits, t, label_smoothing=0.1)
+
+        targets = torch.randint(0, V, (6,))
+        explanation = rewritten(fn, hidden, targets)
+        self.assertEqual([r.applied for r in explanation.records], [True])
+        accuracy, loss = explanation.result
+        expected_accuracy, expected_loss = fn(hidden, targets)
+        torch.testing.assert_close(accuracy, expected_accuracy)
+        torch.testing.assert_close(loss, expected_loss)
+        assert_close_all(grads(loss, [hidden, weight, bias]), grads(expected_loss, [hidden, weight, bias]))
+
+    def test_dynamic_shapes(self):
+        """Symbolic leading sizes of the returned logits are read off the hidden states."""
+        weight, _ = _params()
+
+        def fn(h, t):
+            logits = h @ weight.t()
+            return logits, F.cross_entropy(logits.float().flatten(0, 1), t.flatten())
+
+        for batch, seq in [(2, 3), (3, 5)]:
+            hidden = torch.randn(batch, seq, D, requires_grad=True)
+            ex = _check_returned(fn, [hidden, weight], hidden, torch.randint(0, V, (batch, seq)), dynamic=True)
+            self.assertTrue(ex.applied)
+        self.assertIn("size()", after_code(ex))
+
+    def test_a_copy_of_the_logits_returned_declines(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            logits = F.linear(h, weight).float()
+            return logits, F.cross_entropy(logits.view(-1, V), t.view(-1))
+
+        self.assertExpectedInline(record_lines(rewritten(fn, torch.randn(2, 3, D), torch.randint(0, V, (2, 3)))), """cce applied=False proof=None: a copy of the logits (logits, made on the way to the loss) is returned from the compiled graph, so it stays alive and rewriting saves nothing; return the classifier's own output instead""")
+
+    def test_shifted_loss_rows_decline(self):
         weight, _ = _params()
 
         def fn(h, t):
             logits = F.linear(h, weight)
-            accuracy = (logits.argmax(-1) == t).float().mean()
-            return F.cross_entropy(logits, t) + accuracy
+            return logits, F.cross_entropy(logits[:, :-1].reshape(-1, V), t[:, 1:].reshape(-1))
 
-        self.assertExpectedInline(self._decisions(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """cce applied=False proof=None: the logits (logits) are also used by argmax (call_method argmax), so they stay alive and rewriting saves nothing""")
+        self.assertExpectedInline(record_lines(rewritten(fn, torch.randn(2, 4, D), torch.randint(0, V, (2, 4)))), """cce applied=False proof=None: the logits are used outside the loss and the loss reads a subset of their rows (getitem (call_function getitem)); memopt.cce_with_logits needs the loss rows to be the logits' rows (shift the labels instead, as HF does)""")
+
+
+class TestDeclines(TestCase):
+    def _decisions(self, fn, *args, **options):
+        return record_lines(rewritten(fn, *args, **options))
 
     def test_class_weights(self):
         weight, _ = _params()

@@ -1,0 +1,115 @@
+"""``torch.ops.memopt.cce_with_logits``: the cut cross-entropy loss of a graph that returns its logits too.
+
+    loss, lse, logits = torch.ops.memopt.cce_with_logits(hidden, weight, bias, targets, ignore_index,
+                                                         reduction, label_smoothing, softcap)
+
+A whole model compiled as it is returns the logits beside the loss (HF's ``ModelOutput``, nanoGPT's
+``(logits, loss)``), and most callers drop them (``loss = model(...).loss``, HF Trainer). The forward computes
+the logits once, with the classifier GEMM in its dtype, and takes the loss and the per-row log-sum-exp from
+them; autograd saves what ``memopt.cce`` saves (hidden, weight, bias, targets, the [N] log-sum-exp), never the
+logits, so they die as soon as the caller lets them go.
+
+The backward is ``memopt.cce_backward``: it recomputes logit chunks rounded as the forward's GEMM rounded them
+(so its softmax is the one the loss was taken from) and adds the gradient that reached the returned logits
+to each chunk before the two GEMMs. When the logits were not used, autograd hands it zeros (it materializes a
+gradient for every differentiable output); the sum is then exact and costs one read, never a GEMM.
+
+CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
+logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings._library import device_op, on_cuda, reference_op
+from lowerings.cce import reference
+from lowerings.cce.op import _check_inputs, _reduce
+
+
+def row_terms(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss (0 on ignored rows) and log-sum-exp of [rows, V] logits, in the compute dtype."""
+    z = logits.to(reference.compute_dtype(logits.dtype))
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    lse = torch.logsumexp(z, dim=-1)
+    valid = reference.valid_rows(targets, ignore_index)
+    target_logit = z.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    loss = (1.0 - label_smoothing) * (lse - target_logit)
+    if label_smoothing:
+        loss = loss + label_smoothing * (lse - z.mean(dim=-1))
+    return torch.where(valid, loss, 0.0), lse
+
+
+@reference_op("cce_rows_from_logits")
+def cce_rows_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_terms`` over row chunks, so that the fp32 copy never exceeds one chunk."""
+    reference.check_targets(targets, logits.shape[1], ignore_index)
+    losses = logits.new_empty(logits.shape[0], dtype=reference.compute_dtype(logits.dtype))
+    lse = torch.empty_like(losses)
+    step = reference.chunk_rows(logits.shape[1])
+    for start in range(0, logits.shape[0], step):
+        rows = slice(start, start + step)
+        losses[rows], lse[rows] = row_terms(logits[rows], targets[rows], ignore_index, label_smoothing, softcap)
+    return losses, lse
+
+
+@cce_rows_from_logits.register_fake
+def _(logits, targets, ignore_index, label_smoothing, softcap):
+    rows = logits.new_empty(logits.shape[0], dtype=reference.compute_dtype(logits.dtype))
+    return rows, torch.empty_like(rows)
+
+
+@device_op("cce_with_logits")
+def cce_with_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    targets = targets.long()
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    if on_cuda(hidden, weight, targets):
+        targets = torch.ops.memopt.cce_checked_targets(targets, weight.shape[0], ignore_index)
+        losses, lse = row_terms(logits, targets, ignore_index, label_smoothing, softcap)
+    else:
+        losses, lse = torch.ops.memopt.cce_rows_from_logits(logits, targets, ignore_index, label_smoothing, softcap)
+    return _reduce(losses, targets != ignore_index, reduction), lse, logits
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.options = (ignore_index, reduction, label_smoothing, softcap)
+
+
+def _backward(ctx, grad_loss, grad_lse, grad_logits):
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    ignore_index, reduction, label_smoothing, softcap = ctx.options
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    if grad_loss is None:
+        grad_loss = lse.new_zeros(() if reduction != "none" else lse.shape)
+    grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_backward(
+        hidden, weight, bias, targets, lse, grad_loss, grad_lse, ignore_index, reduction, label_smoothing,
+        softcap, need_hidden, need_weight, need_bias and bias is not None, 0.0, grad_logits, True,
+    )
+    return (
+        grad_hidden if need_hidden else None,
+        grad_weight if need_weight else None,
+        grad_bias if need_bias and bias is not None else None,
+        None, None, None, None, None,
+    )
+
+
+cce_with_logits.register_autograd(_backward, setup_context=_setup_context)

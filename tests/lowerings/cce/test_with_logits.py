@@ -1,0 +1,158 @@
+"""``memopt.cce_with_logits`` against float64 math: the loss, the returned logits and every gradient, with the
+returned logits' gradient zero (dropped) or real; nothing logits-sized saved; the CUDA backward's kernels (with
+the logits' gradient folded in and the logits rounded as the forward's GEMM rounded them) through Triton's
+interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowerings.cce import reference
+from tests.helpers import assert_close_all
+
+N, V, D = 23, 37, 8
+REDUCTIONS = ("mean", "sum", "none")
+FP64 = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _inputs(dtype: torch.dtype, bias: bool, n: int = N, vocab: int = V, dim: int = D):
+    gen = torch.Generator().manual_seed(n + vocab + dim)
+    hidden = torch.randn(n, dim, generator=gen)
+    weight = torch.randn(vocab, dim, generator=gen) / dim**0.5
+    b = torch.randn(vocab, generator=gen) if bias else None
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[::5] = -100
+    leaves = [t.to(dtype).requires_grad_() for t in (hidden, weight, b) if t is not None]
+    return leaves, targets
+
+
+def _eager(leaves, targets, reduction, smoothing, softcap, upcast=True):
+    """What the graph computed before the rewrite: the linear, its logits returned, the loss over fp32 copies."""
+    logits = F.linear(*leaves)
+    capped = logits.float() if upcast and logits.dtype != torch.float64 else logits
+    if softcap is not None:
+        capped = torch.tanh(capped / softcap) * softcap
+    return F.cross_entropy(capped, targets, reduction=reduction, label_smoothing=smoothing), logits
+
+
+def _ours(leaves, targets, reduction, smoothing, softcap):
+    h, w, *b = leaves
+    loss, _, logits = torch.ops.memopt.cce_with_logits(
+        h, w, b[0] if b else None, targets, -100, reduction, smoothing, softcap
+    )
+    return loss, logits
+
+
+def _total(loss, logits, logits_grad):
+    """A scalar whose gradient reaches the loss and, through ``logits_grad``, the returned logits."""
+    weight = torch.linspace(-1, 1, loss.numel(), dtype=loss.dtype).view(loss.shape)
+    total = (loss * weight).sum()
+    return total if logits_grad is None else total + (logits * logits_grad.to(logits.dtype)).sum()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize(("bias", "smoothing", "softcap"), [(False, 0.0, None), (True, 0.1, 4.0)])
+@pytest.mark.parametrize("logits_used", [False, True])
+def test_matches_float64(reduction, bias, smoothing, softcap, logits_used):
+    leaves, targets = _inputs(torch.float64, bias)
+    logits_grad = torch.randn(N, V, dtype=torch.float64) if logits_used else None
+    loss, logits = _ours(leaves, targets, reduction, smoothing, softcap)
+    expected_loss, expected_logits = _eager(leaves, targets, reduction, smoothing, softcap)
+    torch.testing.assert_close(loss, expected_loss, **FP64)
+    torch.testing.assert_close(logits, expected_logits, **FP64)
+    actual = torch.autograd.grad(_total(loss, logits, logits_grad), leaves)
+    expected = torch.autograd.grad(_total(expected_loss, expected_logits, logits_grad), leaves)
+    assert_close_all(actual, expected, **FP64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("logits_used", [False, True])
+def test_low_precision_no_worse_than_eager(dtype, logits_used):
+    """|ours − fp64| ≤ 2·|eager same dtype − fp64| + floor for the loss and every gradient; the returned
+    logits are the linear's own output, bit for bit."""
+    leaves, targets = _inputs(dtype, bias=True)
+    exact_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    logits_grad = 1e-2 * torch.randn(N, V) if logits_used else None
+    results = []
+    for fn, args in ((_ours, leaves), (_eager, leaves), (_eager, exact_leaves)):
+        loss, logits = fn(args, targets, "mean", 0.0, None)
+        results.append((loss, logits, torch.autograd.grad(_total(loss, logits, logits_grad), args)))
+    (ours, our_logits, our_grads), (low, low_logits, low_grads), (exact, _, exact_grads) = results
+    assert torch.equal(our_logits, low_logits)
+    for index, (mine, theirs, truth) in enumerate(zip((ours, *our_grads), (low, *low_grads), (exact, *exact_grads),
+                                                       strict=True)):
+        our_error = (mine.double() - truth).abs().max().item()
+        eager_error = (theirs.double() - truth).abs().max().item()
+        assert our_error <= 2 * eager_error + 1e-6, (index, our_error, eager_error)
+
+
+def test_saves_nothing_logits_sized():
+    leaves, targets = _inputs(torch.float32, bias=True)
+    saved: list[tuple[int, ...]] = []
+
+    def pack(tensor):
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _ours(leaves, targets, "mean", 0.0, None)
+    assert sorted(saved) == sorted([(N, D), (V, D), (V,), (N,), (N,)]), saved  # h, w, b, targets, lse
+
+
+def test_out_of_range_target_raises():
+    leaves, targets = _inputs(torch.float32, bias=False)
+    targets[3] = V
+    with pytest.raises(IndexError, match="out of bounds"):
+        _ours(leaves, targets, "mean", 0.0, None)
+
+
+def test_all_targets_ignored_mean_is_nan():
+    leaves, targets = _inputs(torch.float32, bias=False)
+    loss, _ = _ours(leaves, torch.full_like(targets, -100), "mean", 0.0, None)
+    assert torch.isnan(loss)
+
+
+@pytest.mark.parametrize(("bias", "reduction", "smoothing", "softcap"),
+                         [(False, "mean", 0.0, None), (True, "none", 0.1, 3.0), (True, "sum", 0.0, None)])
+def test_opcheck(bias, reduction, smoothing, softcap):
+    (h, w, *b), targets = _inputs(torch.float32, bias, n=11, vocab=17, dim=5)
+    args = (h, w, b[0] if b else None, targets, -100, reduction, smoothing, softcap)
+    torch.library.opcheck(torch.ops.memopt.cce_with_logits.default, args)
+
+
+# --- the CUDA backward's kernels (natively on CUDA, through Triton's interpreter on CPU) ----------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("bias", "softcap"), [(False, None), (True, 4.0)])
+def test_kernel_backward_folds_the_logits_gradient(monkeypatch, dtype, bias, softcap):
+    """The kernels' gradients equal the reference's (which recomputes logits with the forward's own matmul)
+    when the returned logits' gradient joins each chunk; several column chunks are walked."""
+    pytest.importorskip("triton")
+    from lowerings.cce import kernels
+
+    monkeypatch.setattr(kernels, "CHUNK_COLUMNS", 16)
+    monkeypatch.setattr(kernels, "MIN_COLUMNS", 16)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (h, w, *b), targets = _inputs(dtype, bias, n=21, vocab=45, dim=16)
+    h, w = h.detach().to(device), w.detach().to(device)
+    b = b[0].detach().to(device) if b else None
+    targets = targets.to(device)
+    logits = F.linear(h, w, b)
+    _, lse = reference.forward(h, w, b, targets, -100, 0.0, softcap)
+    if dtype != torch.float32:  # the log-sum-exp of the logits the forward's GEMM wrote
+        capped = logits.float() if softcap is None else torch.tanh(logits.float() / softcap) * softcap
+        lse = torch.logsumexp(capped, dim=-1)
+    grad_rows = torch.where(targets != -100, 0.05, 0.0)
+    grad_lse = torch.zeros_like(lse)
+    grad_logits = (0.1 * torch.randn(logits.shape)).to(device, dtype)
+    needs = (True, True, bias)
+    expected = reference.backward(h, w, b, targets, lse, grad_rows, grad_lse, -100, 0.0, softcap, needs, grad_logits)
+    actual = kernels.backward(h, w, b, targets, lse, grad_rows, grad_lse, 0.0, softcap, needs, 0.0, grad_logits,
+                              True)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for a, e in zip(actual, expected, strict=True):
+        if e.numel():
+            torch.testing.assert_close(a.float(), e.float(), **tolerance)
