@@ -35,18 +35,25 @@ REDUCTIONS = ("mean", "sum", "none")
 def working_set(n_rows, vocab: int, dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, object]:
     """Bytes the op keeps beyond its inputs and outputs, by name: what the graph rewrite's model charges.
 
-    Sizes may be SymInts; the result is then symbolic too.
+    ``device`` is the one whose implementation is charged: the CUDA kernels' column chunk of logit gradients, or
+    the CPU reference's chunk of rows (≤ 1/8 of the logits, computed in place). Sizes may be SymInts; the result
+    is then symbolic too.
     """
     acc_bytes = reference.compute_dtype(dtype).itemsize
     terms: dict[str, object] = {"saved: log-sum-exp [N]": n_rows * acc_bytes}
     if device.type == "cuda" and HAS_TRITON:
-        chunk = torch.sym_min(n_rows * kernels.CHUNK_COLUMNS, kernels.CHUNK_BYTES // dtype.itemsize)
+        # kernels.chunk_columns, in SymInt arithmetic: a multiple of 128 columns filling CHUNK_BYTES, within
+        # [MIN_COLUMNS, CHUNK_COLUMNS], and never more than the vocabulary.
+        fitting = kernels.CHUNK_BYTES // torch.sym_max(1, n_rows * dtype.itemsize) // 128 * 128
+        columns = torch.sym_max(kernels.MIN_COLUMNS, torch.sym_min(kernels.CHUNK_COLUMNS, fitting))
+        chunk = n_rows * torch.sym_min(vocab, columns)
         terms["transient: one column chunk of logit gradients [N, chunk]"] = chunk * dtype.itemsize
         if dtype.itemsize < acc_bytes:
             terms["transient: compensation of the hidden-state gradient sum [N, D]"] = n_rows * dim * dtype.itemsize
         return terms
-    rows = torch.sym_min(n_rows, reference.chunk_rows(vocab))
-    terms["transient: one chunk of logits, probabilities and their gradient"] = 3 * rows * vocab * acc_bytes
+    terms["transient: one chunk of logits and their gradient, in place (CPU reference)"] = reference.chunk_budget(
+        n_rows, vocab, dim, dtype
+    )
     if dtype.itemsize < acc_bytes:
         terms["transient: weight-gradient accumulator [V, D]"] = vocab * dim * acc_bytes
     return terms

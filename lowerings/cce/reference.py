@@ -1,9 +1,11 @@
 """Chunked PyTorch implementation of linear + cross-entropy: the CPU path of ``memopt::cce`` and the test oracle.
 
-It never holds more than one chunk of logits: rows are processed ``chunk_rows`` at a time, so peak extra
-memory is ``chunk_rows × V`` floats however many tokens there are. Forward returns the per-row loss terms
-and the log-sum-exp; backward recomputes each chunk's logits from the hidden states and the classifier
-(Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models").
+It never holds more than one chunk of logits, computed in place: rows are processed ``chunk_rows`` at a time,
+and a chunk's temporaries stay within ``chunk_budget`` bytes, 1/``FRACTION`` of the N×V logits it replaces
+(at least one row, at most ``CHUNK_BYTES``). That budget is what the rewrite's memory model charges
+(``lowerings.cce.op.working_set``), so CPU and GPU runs of a model take the same decisions. Forward returns
+the per-row loss terms and the log-sum-exp; backward recomputes each chunk's logits from the hidden states
+and the classifier (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models").
 
 Math, for one row with logits z (after the optional softcap z = c·tanh(x/c)), target t, smoothing ε:
     lse  = log Σ_j exp z_j
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-# Logits of one chunk (fp32) stay under this many bytes; the chunk is at least one row.
+# A chunk's temporaries stay within 1/FRACTION of the logits [N, V] (in the input dtype) they stand in for,
+# and under CHUNK_BYTES; a chunk is at least one row whatever that costs.
+FRACTION = 8
 CHUNK_BYTES = 32 << 20
-
-
-def chunk_rows(vocab: int) -> int:
-    """Rows of logits one chunk may hold so that its fp32 logits stay within ``CHUNK_BYTES``."""
-    return max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+# Per-row vectors of a chunk (max, Σexp, log-sum-exp, target logit and its int64 index, loss, gradient scales and
+# their intermediates), counted in elements of the compute dtype.
+ROW_SCALARS = 16
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -29,18 +31,87 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _upcast_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of a product kept in ``dtype`` before its copy in the compute dtype (0: no copy)."""
+    return dtype.itemsize if dtype.itemsize < compute_dtype(dtype).itemsize else 0
+
+
+def row_bytes(vocab, dim, dtype: torch.dtype, *, softcap: bool, backward: bool):
+    """Bytes one row of a chunk holds: its logits in place (plus tanh(x/c) for the softcap's chain rule in the
+    backward), the 16-bit product before its upcast, the upcast hidden row, and per-row vectors."""
+    acc, low = compute_dtype(dtype).itemsize, _upcast_bytes(dtype)
+    buffers = 2 if softcap and backward else 1
+    hidden_row = dim * acc if backward and low else 0
+    return vocab * (buffers * acc + low) + hidden_row + ROW_SCALARS * acc
+
+
+def fixed_bytes(vocab, dtype: torch.dtype, *, bias: bool, backward: bool):
+    """Bytes a pass holds whatever the chunk size: the bias in the compute dtype, a chunk's bias-gradient sum."""
+    acc = compute_dtype(dtype).itemsize
+    return vocab * acc * ((1 if bias and _upcast_bytes(dtype) else 0) + (1 if bias and backward else 0))
+
+
+def chunk_budget(n_rows, vocab, dim, dtype: torch.dtype):
+    """Bytes of temporaries a chunk may hold: 1/FRACTION of the logits, capped at CHUNK_BYTES, never less than one
+    row of the costliest pass (backward with softcap and bias). SymInt sizes give a symbolic budget."""
+    floor = row_bytes(vocab, dim, dtype, softcap=True, backward=True) + fixed_bytes(
+        vocab, dtype, bias=True, backward=True
+    )
+    share = n_rows * vocab * dtype.itemsize // FRACTION
+    return torch.sym_max(floor, torch.sym_min(share, CHUNK_BYTES))
+
+
+def chunk_rows(
+    vocab,
+    n_rows=None,
+    dim=0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    softcap: bool = False,
+    bias: bool = False,
+    backward: bool = False,
+):
+    """Rows per chunk so that a pass's temporaries fit ``chunk_budget`` (at least 1, at most ``n_rows``).
+
+    Without ``n_rows`` (a caller that does not know the problem size): as many fp32 rows as CHUNK_BYTES holds.
+    """
+    if n_rows is None:
+        return max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
+    budget = chunk_budget(n_rows, vocab, dim, dtype)
+    room = budget - fixed_bytes(vocab, dtype, bias=bias, backward=backward)
+    rows = room // row_bytes(vocab, dim, dtype, softcap=softcap, backward=backward)
+    return torch.sym_max(1, torch.sym_min(n_rows, rows))
+
+
 def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits of one chunk in the compute dtype, with tanh(x/c) kept for the softcap's chain rule."""
-    acc = compute_dtype(hidden.dtype)
-    logits = (hidden @ weight.t()).to(acc)
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` ← hidden @ weightᵀ (+ bias) in the compute dtype; ``bias`` is already in it.
+
+    16-bit products are rounded to their dtype first, as the eager classifier rounds them."""
+    if hidden.dtype == out.dtype and weight.dtype == out.dtype:
+        torch.mm(hidden, weight.t(), out=out)
+    else:
+        out.copy_(hidden @ weight.t())
     if bias is not None:
-        logits = logits + bias.to(acc)
-    if softcap is None:
-        return logits, None
-    capped = torch.tanh(logits / softcap)
-    return capped * softcap, capped
+        out.add_(bias)
+    return out
+
+
+def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
+    """Row log-sum-exp of ``z`` [rows, V], as ``torch.logsumexp`` computes it; ``z`` is left holding exp(z − max)."""
+    top = z.amax(dim=1, keepdim=True)
+    top.masked_fill_(top.abs() == float("inf"), 0.0)
+    total = z.sub_(top).exp_().sum(dim=1)
+    return total.log_().add_(top.squeeze(1))
+
+
+def _buffer(numel: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=like.device)
+
+
+def _view(buffer: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return buffer[: rows * cols].view(rows, cols)
 
 
 def valid_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -65,21 +136,27 @@ def forward(
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss (0 on ignored rows) and per-row log-sum-exp, both [N] in the compute dtype."""
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     check_targets(targets, vocab, ignore_index)
-    losses = hidden.new_empty(n_rows, dtype=compute_dtype(hidden.dtype))
+    acc = compute_dtype(hidden.dtype)
+    losses = hidden.new_empty(n_rows, dtype=acc)
     lse = torch.empty_like(losses)
-    step = chunk_rows(vocab)
+    step = chunk_rows(vocab, n_rows, dim, hidden.dtype, softcap=softcap is not None, bias=bias is not None)
+    buffer = _buffer(step * vocab, hidden, acc)
+    bias = bias.to(acc) if bias is not None else None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        logits, _ = _chunk_logits(hidden[rows], weight, bias, softcap)
-        chunk_lse = torch.logsumexp(logits, dim=-1)
+        z = _chunk_logits(hidden[rows], weight, bias, _view(buffer, rows.stop - start, vocab))
+        if softcap is not None:
+            z.div_(softcap).tanh_().mul_(softcap)
         target = targets[rows]
         valid = valid_rows(target, ignore_index)
-        target_logit = logits.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
+        target_logit = z.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
+        mean_logit = z.mean(dim=-1) if label_smoothing else None
+        chunk_lse = _logsumexp_(z)
         loss = (1.0 - label_smoothing) * (chunk_lse - target_logit)
-        if label_smoothing:
-            loss = loss + label_smoothing * (chunk_lse - logits.mean(dim=-1))
+        if mean_logit is not None:
+            loss = loss + label_smoothing * (chunk_lse - mean_logit)
         losses[rows] = torch.where(valid, loss, 0.0)
         lse[rows] = chunk_lse
     return losses, lse
@@ -97,42 +174,69 @@ def backward(
     label_smoothing: float,
     softcap: float | None,
     needs: tuple[bool, bool, bool],
+    grad_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of Σ grad_rows·loss_rows + Σ grad_lse·lse w.r.t. hidden, weight and bias.
+    """Gradients of Σ grad_rows·loss_rows + Σ grad_lse·lse (+ Σ grad_logits·logits) w.r.t. hidden, weight, bias.
+
+    ``grad_logits`` [N, V], when given, is the gradient of logits the forward returned (``cce_with_logits``);
+    it joins each chunk's logit gradient, so it costs no GEMM of its own.
 
     ``grad_rows`` is the upstream gradient of each row's loss (already scaled by the reduction and zero
     on ignored rows). Weight and bias gradients accumulate in the compute dtype (fp32 for 16-bit inputs).
-    An input whose entry in ``needs`` is False gets an empty gradient.
+    An input whose entry in ``needs`` is False gets an empty gradient. Each chunk's probabilities become its
+    logit gradient in place, in one buffer (two with a softcap, whose chain rule needs tanh(x/c) too).
     """
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     need_hidden, need_weight, need_bias = needs
-    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0)
     acc = compute_dtype(hidden.dtype)
     grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
-    step = chunk_rows(vocab)
+    step = chunk_rows(
+        vocab, n_rows, dim, hidden.dtype, softcap=softcap is not None, bias=bias is not None, backward=True
+    )
+    buffer = _buffer(step * vocab, hidden, acc)
+    slopes = _buffer(step * vocab, hidden, acc) if softcap is not None else None
+    bias_acc = bias.to(acc) if bias is not None else None
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        logits, capped = _chunk_logits(hidden[rows], weight, bias, softcap)
-        probs = torch.exp(logits - lse[rows].unsqueeze(1))
+        count = rows.stop - start
+        if slopes is None:
+            dlogits = _chunk_logits(hidden[rows], weight, bias_acc, _view(buffer, count, vocab))
+            slope = None
+        else:  # tanh(x/c) kept for the chain rule; the capped logits c·tanh(x/c) go to the other buffer
+            slope = _chunk_logits(hidden[rows], weight, bias_acc, _view(slopes, count, vocab)).div_(softcap).tanh_()
+            dlogits = torch.mul(slope, softcap, out=_view(buffer, count, vocab))
+        dlogits.sub_(lse[rows].unsqueeze(1)).exp_()  # probabilities
         g_loss, g_lse = grad_rows[rows].to(acc), grad_lse[rows].to(acc)
-        dlogits = probs * (g_loss + g_lse).unsqueeze(1)
+        dlogits.mul_((g_loss + g_lse).unsqueeze(1))
         target = targets[rows]
         valid = valid_rows(target, ignore_index)
         onehot_grad = torch.where(valid, g_loss * (1.0 - label_smoothing), 0.0)
         dlogits.scatter_add_(1, torch.where(valid, target, 0).unsqueeze(1), -onehot_grad.unsqueeze(1))
         if label_smoothing:
-            dlogits -= (torch.where(valid, g_loss, 0.0) * (label_smoothing / vocab)).unsqueeze(1)
-        if capped is not None:
-            dlogits *= 1.0 - capped * capped
+            dlogits.sub_((torch.where(valid, g_loss, 0.0) * (label_smoothing / vocab)).unsqueeze(1))
+        if slope is not None:
+            dlogits.mul_(slope.mul_(slope).neg_().add_(1.0))  # 1 − tanh²
+        if grad_logits is not None:
+            dlogits.add_(grad_logits[rows])
         if need_hidden:
-            grad_hidden[rows] = (dlogits.to(weight.dtype) @ weight).to(hidden.dtype)
+            _hidden_grad_into(grad_hidden[rows], dlogits, weight)
         if grad_weight is not None:
-            grad_weight += dlogits.t() @ hidden[rows].to(acc)
+            grad_weight.addmm_(dlogits.t(), hidden[rows].to(acc))
         if grad_bias is not None:
-            grad_bias += dlogits.sum(dim=0)
+            grad_bias.add_(dlogits.sum(dim=0))
     return (
         grad_hidden,
         grad_weight.to(weight.dtype) if grad_weight is not None else weight.new_empty(0),
         grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else weight.new_empty(0),
     )
+
+
+def _hidden_grad_into(out: torch.Tensor, dlogits: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out`` ← dlogits @ weight, with the logit gradient rounded to the classifier's dtype first (as eager's
+    backward GEMM runs in it)."""
+    if dlogits.dtype == weight.dtype == out.dtype:
+        torch.mm(dlogits, weight, out=out)
+    else:
+        out.copy_(dlogits.to(weight.dtype) @ weight)

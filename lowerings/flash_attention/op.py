@@ -26,12 +26,25 @@ if HAS_TRITON:
     from lowerings.flash_attention import kernels
 
 
-def working_set(batch, heads, queries, keys, device: torch.device) -> dict[str, object]:
-    """Bytes the op keeps beyond its inputs and output, by name (for the graph rewrite's memory model)."""
+def working_set(
+    batch, heads, queries, keys, device: torch.device, *, dtype: torch.dtype = torch.float32, head_dim=0,
+    kv_heads=None,
+) -> dict[str, object]:
+    """Bytes the op keeps beyond its inputs and output, by name (for the graph rewrite's memory model).
+
+    ``device`` is the one whose implementation is charged (the CUDA kernels keep only the log-sum-exp; the CPU
+    reference a block of scores, ≤ 1/8 of them). ``dtype``, ``head_dim`` and ``kv_heads`` refine the CPU terms:
+    16-bit inputs have k and v and their gradients held in fp32. Sizes may be SymInts.
+    """
     terms: dict[str, object] = {"saved: log-sum-exp [B, H, Tq] (fp32)": batch * heads * queries * 4}
-    if device.type != "cuda":
-        scores = torch.sym_min(batch * heads * queries * keys * 4, reference.BLOCK_BYTES)
-        terms["transient: one block of scores, probabilities and their gradient (CPU reference)"] = 3 * scores
+    if device.type == "cuda":
+        return terms
+    block = reference.block_budget(batch, heads, queries, keys, head_dim, dtype)
+    terms["transient: one block of scores and their gradient, in place (CPU reference)"] = block
+    acc = reference.compute_dtype(dtype).itemsize
+    if dtype.itemsize < acc:
+        kv = batch * (heads if kv_heads is None else kv_heads) * keys * head_dim * acc
+        terms["transient: k, v and their gradients in fp32 (CPU reference)"] = 4 * kv
     return terms
 
 

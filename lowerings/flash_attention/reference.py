@@ -1,86 +1,191 @@
 """Attention in PyTorch, one block of queries at a time: the CPU path of ``memopt::flash_attention`` and its oracle.
 
 softmax(q kᵀ·scale + bias, causal mask) (dropout) v, with grouped-query heads (query head h reads key/value head
-h // (Hq / Hk)). Peak extra memory is one block of scores, [B, Hq, block, Tk], not Tq × Tk; the backward
-recomputes the probabilities from the saved log-sum-exp, as the flash-attention kernels do (Dao 2023).
+h // (Hq / Hk)). A block's scores become its probabilities (and in the backward its score gradients) in place,
+and its temporaries stay within ``block_budget`` bytes: 1/``FRACTION`` of the B·H·Tq·Tk scores it replaces, at
+least one query row, at most ``BLOCK_BYTES``. That budget is what the rewrite's memory model charges
+(``lowerings.flash_attention.op.working_set``), so CPU and GPU runs of a model take the same decisions. The
+backward recomputes the probabilities from the saved log-sum-exp, as the flash-attention kernels do (Dao 2023).
+Query heads that share a key/value head are stacked as rows of one product, so k and v are never repeated; a
+causal block only reads the keys its last query sees.
 
-Dropout draws its keep mask from a torch generator seeded by ``seed`` and the query block, so that the
-backward regenerates exactly the forward's mask. (The CUDA kernels draw theirs with Triton's Philox instead;
-the two devices' masks differ, each is consistent with itself.)
+Dropout draws the mask of each query row from a torch generator seeded by ``seed`` and the row, so the
+mask does not depend on how the rows are blocked, and the backward regenerates exactly the forward's mask.
+(The CUDA kernels draw theirs with Triton's Philox instead; the two devices' masks differ, each is consistent
+with itself.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
-# Scores of one query block (fp32) stay under this many bytes; the block is at least one query.
+# A block's temporaries stay within 1/FRACTION of the scores [B, H, Tq, Tk] (in the input dtype) and under
+# BLOCK_BYTES; a block is at least one query row whatever that costs.
+FRACTION = 8
 BLOCK_BYTES = 32 << 20
+# Per query row and head: running max, Σexp, log-sum-exp, rowsum(dO ∘ O), in the compute dtype.
+ROW_SCALARS = 4
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _block_rows(batch: int, heads: int, keys: int) -> int:
-    return max(1, BLOCK_BYTES // (4 * max(1, batch * heads * keys)))
+def row_bytes(batch, heads, keys, dim, dtype: torch.dtype, *, backward: bool, dropout: bool, causal: bool):
+    """Bytes one query row of a block holds, over all batches and heads: its scores (the backward adds their
+    gradient), its dropout mask, the row's q and output (backward: q, dO, dQ and dO ∘ O) in the compute dtype, and
+    the causal mask's row."""
+    acc = compute_dtype(dtype).itemsize
+    per_key = (2 if backward else 1) * acc + (1 if dropout else 0)
+    per_dim = (4 if backward else 2) * acc
+    return batch * heads * (keys * per_key + dim * per_dim + ROW_SCALARS * acc) + (keys if causal else 0)
 
 
-def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """Key/value heads repeated for the query heads that share them (a view when possible)."""
-    groups = heads // t.shape[1]
-    if groups == 1:
-        return t
-    b, hk, tk, d = t.shape
-    return t[:, :, None].expand(b, hk, groups, tk, d).reshape(b, heads, tk, d)
+def fixed_bytes(batch, heads, keys, dtype: torch.dtype, *, dropout: bool, bias_cast: bool):
+    """Bytes a pass holds whatever the block size: one row of uniforms for the dropout mask, one row of a bias that is
+    added in another dtype."""
+    acc = compute_dtype(dtype).itemsize
+    return batch * heads * keys * ((4 if dropout else 0) + (acc if bias_cast else 0))
 
 
-def _fold_kv(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Sum the gradients of query heads that share a key/value head."""
-    b, h, tk, d = grad.shape
-    return grad.view(b, kv_heads, h // kv_heads, tk, d).sum(2)
+def block_budget(batch, heads, queries, keys, dim, dtype: torch.dtype):
+    """Bytes of temporaries a block may hold: 1/FRACTION of the scores, capped at BLOCK_BYTES, never less than one
+    query row of the costliest pass (backward with dropout, causal mask and a cast bias). SymInt sizes give a
+    symbolic budget."""
+    floor = row_bytes(batch, heads, keys, dim, dtype, backward=True, dropout=True, causal=True) + fixed_bytes(
+        batch, heads, keys, dtype, dropout=True, bias_cast=True
+    )
+    share = batch * heads * queries * keys * dtype.itemsize // FRACTION
+    return torch.sym_max(floor, torch.sym_min(share, BLOCK_BYTES))
 
 
-def _scores(q_block, k, bias_block, scale, causal, first_row, acc):
-    scores = (q_block.to(acc) @ k.to(acc).transpose(-2, -1)) * scale
-    if bias_block is not None:
-        scores = scores + bias_block.to(acc)
+def block_rows(q: torch.Tensor, k: torch.Tensor, bias, *, backward: bool, dropout: bool, causal: bool) -> int:
+    """Query rows per block so that the pass's temporaries fit ``block_budget`` (at least 1, at most Tq)."""
+    batch, heads, queries, dim = q.shape
+    keys = k.shape[-2]
+    bias_cast = bias is not None and bias.dtype != compute_dtype(q.dtype)
+    room = block_budget(batch, heads, queries, keys, dim, q.dtype) - fixed_bytes(
+        batch, heads, keys, q.dtype, dropout=dropout, bias_cast=bias_cast
+    )
+    per_row = row_bytes(batch, heads, keys, dim, q.dtype, backward=backward, dropout=dropout, causal=causal)
+    return max(1, min(queries, room // per_row))
+
+
+def _blocks(queries: int, keys: int, step: int, causal: bool) -> Iterator[tuple[slice, int]]:
+    """(query rows, keys they read) per block; a causal block's last query sees no key after it."""
+    for start in range(0, queries, step):
+        stop = min(start + step, queries)
+        yield slice(start, stop), min(keys, stop) if causal else keys
+
+
+def _take(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous view of the first elements of a flat buffer."""
+    return buffer[: torch.Size(shape).numel()].view(shape)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, Hq, rows, n] (contiguous) as [B, Hk, G·rows, n]: the query heads sharing a key/value head stacked."""
+    b, heads, rows, n = x.shape
+    return x.view(b, kv_heads, heads // kv_heads * rows, n)
+
+
+def _bmm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``out[i] = a[i] @ b[i]`` over the batch, whatever b's strides (a batched matmul would copy them)."""
+    for i in range(out.shape[0]):
+        torch.bmm(a[i], b[i], out=out[i])
+    return out
+
+
+def _baddbmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """``acc[i] += alpha · a[i] @ b[i]`` in place over the batch."""
+    for i in range(acc.shape[0]):
+        acc[i].baddbmm_(a[i], b[i], alpha=alpha)
+
+
+def _scores_into(s, q_rows, k, bias, scale: float, causal: bool, rows: slice) -> torch.Tensor:
+    """``s`` [B, Hq, rows, keys] ← q kᵀ·scale (+ bias) with keys after the query masked (causal)."""
+    keys = s.shape[-1]
+    kv_heads = k.shape[1]
+    _bmm_into(_grouped(s, kv_heads), _grouped(q_rows, kv_heads), k[:, :, :keys].transpose(-2, -1))
+    s.mul_(scale)
+    if bias is not None:
+        _add_bias_(s, bias[:, :, rows, :keys])
     if causal:
-        rows = torch.arange(first_row, first_row + q_block.shape[-2], device=q_block.device)[:, None]
-        cols = torch.arange(k.shape[-2], device=q_block.device)[None, :]
-        scores = scores.masked_fill(cols > rows, float("-inf"))
-    return scores
+        future = torch.ones(s.shape[-2], keys, dtype=torch.bool, device=s.device).triu_(rows.start + 1)
+        s.masked_fill_(future, float("-inf"))
+    return s
 
 
-def _keep_mask(seed: int, block: int, shape, dropout_p: float, device) -> torch.Tensor:
-    generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + block)
-    return (torch.rand(shape, generator=generator) >= dropout_p).to(device)
+def _add_bias_(s: torch.Tensor, bias: torch.Tensor) -> None:
+    """s += bias; a bias in another dtype row by row, since an in-place add copies its cast operand whole."""
+    if bias.dtype == s.dtype:
+        s.add_(bias)
+        return
+    for row in range(s.shape[-2]):
+        s[:, :, row].add_(bias[:, :, row])
 
 
-def _blocks(q, k, bias):
-    """(block index, row slice, bias slice) over query blocks."""
-    b, h, tq, _ = q.shape
-    step = _block_rows(b, h, k.shape[-2])
-    for index, start in enumerate(range(0, tq, step)):
-        rows = slice(start, min(start + step, tq))
-        yield index, rows, (bias[:, :, rows] if bias is not None else None)
+def _softmax_(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension in place; returns the log-sum-exp. A row without any key gives 0 and -inf."""
+    top = s.amax(dim=-1, keepdim=True)
+    top.masked_fill_(top.abs() == float("inf"), 0.0)
+    total = s.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    s.div_(total).nan_to_num_(0.0)
+    return total.log_().add_(top).squeeze(-1)
+
+
+def _drop_mask(seed: int, first_row: int, shape, dropout_p: float, device, out: torch.Tensor | None = None):
+    """Drop mask [B, H, rows, Tk] (True where a probability is dropped) of the query rows from ``first_row`` on:
+    row i's from a generator seeded by (seed, i), so that any blocking of the rows draws the same mask."""
+    b, h, rows, keys = shape
+    mask = torch.empty(shape, dtype=torch.bool) if out is None else out
+    for row in range(rows):
+        generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + first_row + row)
+        torch.lt(torch.rand((b, h, keys), generator=generator), dropout_p, out=mask[:, :, row])
+    return mask.to(device)
+
+
+def _keep_mask(seed: int, first_row: int, shape, dropout_p: float, device) -> torch.Tensor:
+    """The complement of ``_drop_mask``: True where a probability is kept."""
+    return ~_drop_mask(seed, first_row, shape, dropout_p, device)
+
+
+def _as_compute(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in the compute dtype (itself when it already is: no copy)."""
+    return t.to(compute_dtype(t.dtype))
+
+
+def _full_bias(bias, q, k):
+    """The bias as a [B, Hq, Tq, Tk] view (broadcast dimensions keep stride 0; nothing is copied)."""
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if bias is not None else None
 
 
 def forward(q, k, v, bias, scale: float, causal: bool, dropout_p: float, seed: int):
     """(out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] in the compute dtype); fully masked rows give 0, -inf."""
     acc = compute_dtype(q.dtype)
-    heads = q.shape[1]
-    k_all, v_all = _expand_kv(k, heads), _expand_kv(v, heads)
-    bias = bias.expand(q.shape[0], heads, q.shape[2], k.shape[2]) if bias is not None else None
+    batch, heads, queries, dim = q.shape
+    keys = k.shape[2]
+    k, v, bias = _as_compute(k), _as_compute(v), _full_bias(bias, q, k)
     out = q.new_empty(q.shape)  # contiguous, as the kernels return it, whatever q's layout
     lse = q.new_empty(q.shape[:-1], dtype=acc)
-    for index, rows, bias_block in _blocks(q, k, bias):
-        scores = _scores(q[:, :, rows], k_all, bias_block, scale, causal, rows.start, acc)
-        block_lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - block_lse.unsqueeze(-1)).nan_to_num(0.0)  # -inf rows: exp(nan) → 0
-        if dropout_p > 0:
-            probs = probs * _keep_mask(seed, index, probs.shape, dropout_p, q.device).to(acc) / (1 - dropout_p)
-        out[:, :, rows] = (probs @ v_all.to(acc)).to(q.dtype)
-        lse[:, :, rows] = block_lse
+    step = block_rows(q, k, bias, backward=False, dropout=dropout_p > 0, causal=causal)
+    scores = q.new_empty(batch * heads * step * keys, dtype=acc)
+    q_rows, out_rows = (q.new_empty(batch * heads * step * dim, dtype=acc) for _ in range(2))
+    drop = q.new_empty(batch * heads * step * keys, dtype=torch.bool) if dropout_p > 0 else None
+    for rows, seen in _blocks(queries, keys, step, causal):
+        count = rows.stop - rows.start
+        q_block = _take(q_rows, batch, heads, count, dim).copy_(q[:, :, rows])
+        probs = _scores_into(_take(scores, batch, heads, count, seen), q_block, k, bias, scale, causal, rows)
+        lse[:, :, rows] = _softmax_(probs)
+        if drop is not None:  # masked_fill_, as an in-place product with a boolean mask would copy it cast
+            mask = _drop_mask(seed, rows.start, (batch, heads, count, keys), dropout_p, q.device,
+                              _take(drop, batch, heads, count, keys))
+            probs.masked_fill_(mask[..., :seen], 0.0).div_(1 - dropout_p)
+        o = _take(out_rows, batch, heads, count, dim)
+        _bmm_into(_grouped(o, k.shape[1]), _grouped(probs, k.shape[1]), v[:, :, :seen])
+        out[:, :, rows] = o
     return out, lse
 
 
@@ -91,29 +196,42 @@ def backward(
 
     dbias (with ``bias_grad``) is dS itself, a full [B, Hq, Tq, Tk] in the compute dtype; else None."""
     acc = compute_dtype(q.dtype)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    k_all, v_all = _expand_kv(k, heads).to(acc), _expand_kv(v, heads).to(acc)
-    bias = bias.expand(q.shape[0], heads, q.shape[2], k.shape[2]) if bias is not None else None
-    delta = (grad_out.to(acc) * out.to(acc)).sum(-1)
+    batch, heads, queries, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    k_acc, v_acc, bias = _as_compute(k), _as_compute(v), _full_bias(bias, q, k)
     dq = q.new_empty(q.shape)
-    dk_all = torch.zeros_like(k_all)
-    dv_all = torch.zeros_like(v_all)
-    dbias = q.new_empty((q.shape[0], heads, q.shape[2], k.shape[2]), dtype=acc) if bias_grad else None
-    for index, rows, bias_block in _blocks(q, k, bias):
-        q_block, do_block = q[:, :, rows].to(acc), grad_out[:, :, rows].to(acc)
-        scores = _scores(q_block, k_all, bias_block, scale, causal, rows.start, acc)
-        probs = torch.exp(scores - lse[:, :, rows].unsqueeze(-1)).nan_to_num(0.0)
-        grad_probs = do_block @ v_all.transpose(-2, -1)
-        dropped = probs
-        if dropout_p > 0:
-            keep = _keep_mask(seed, index, probs.shape, dropout_p, q.device).to(acc) / (1 - dropout_p)
-            dropped = probs * keep
-            grad_probs = grad_probs * keep
-        dv_all += dropped.transpose(-2, -1) @ do_block
-        grad_scores = probs * (grad_probs - delta[:, :, rows].unsqueeze(-1))
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dbias = q.new_empty((batch, heads, queries, keys), dtype=acc) if bias_grad else None
+    step = block_rows(q, k, bias, backward=True, dropout=dropout_p > 0, causal=causal)
+    probs_buffer, grads_buffer = (q.new_empty(batch * heads * step * keys, dtype=acc) for _ in range(2))
+    q_rows, do_rows, dq_rows = (q.new_empty(batch * heads * step * dim, dtype=acc) for _ in range(3))
+    drop = q.new_empty(batch * heads * step * keys, dtype=torch.bool) if dropout_p > 0 else None
+    for rows, seen in _blocks(queries, keys, step, causal):
+        count = rows.stop - rows.start
+        q_block = _take(q_rows, batch, heads, count, dim).copy_(q[:, :, rows])
+        do_block = _take(do_rows, batch, heads, count, dim).copy_(grad_out[:, :, rows])
+        dq_block = _take(dq_rows, batch, heads, count, dim)
+        delta = torch.mul(do_block, out[:, :, rows].to(acc), out=dq_block).sum(-1, keepdim=True)
+        probs = _scores_into(_take(probs_buffer, batch, heads, count, seen), q_block, k_acc, bias, scale, causal, rows)
+        probs.sub_(lse[:, :, rows].unsqueeze(-1)).exp_().nan_to_num_(0.0)
+        grads = _take(grads_buffer, batch, heads, count, seen)
+        mask = None
+        if drop is not None:
+            mask = _drop_mask(seed, rows.start, (batch, heads, count, keys), dropout_p, q.device,
+                              _take(drop, batch, heads, count, keys))[..., :seen]
+            dropped = grads.copy_(probs).masked_fill_(mask, 0.0).div_(1 - dropout_p)
+        else:
+            dropped = probs
+        _baddbmm_(dv[:, :, :seen], _grouped(dropped, kv_heads).transpose(-2, -1), _grouped(do_block, kv_heads))
+        _bmm_into(_grouped(grads, kv_heads), _grouped(do_block, kv_heads), v_acc[:, :, :seen].transpose(-2, -1))
+        if mask is not None:
+            grads.masked_fill_(mask, 0.0).div_(1 - dropout_p)
+        grads.sub_(delta).mul_(probs)  # dS
         if dbias is not None:
-            dbias[:, :, rows] = grad_scores
-        dq[:, :, rows] = (grad_scores @ k_all * scale).to(q.dtype)
-        dk_all += grad_scores.transpose(-2, -1) @ q_block * scale
-    dk, dv = _fold_kv(dk_all, kv_heads).to(k.dtype), _fold_kv(dv_all, kv_heads).to(v.dtype)
-    return dq, dk.contiguous(), dv.contiguous(), dbias
+            dbias[:, :, rows, :seen] = grads
+            dbias[:, :, rows, seen:] = 0.0
+        _bmm_into(_grouped(dq_block, kv_heads), _grouped(grads, kv_heads), k_acc[:, :, :seen])
+        dq[:, :, rows] = dq_block.mul_(scale)
+        _baddbmm_(dk[:, :, :seen], _grouped(grads, kv_heads).transpose(-2, -1), _grouped(q_block, kv_heads), scale)
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dbias
