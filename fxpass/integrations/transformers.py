@@ -1,4 +1,5 @@
-"""Hugging Face ``Trainer`` (and TRL's trainers, which subclass it) with memopt.
+"""Hugging Face ``Trainer`` with memopt (TRL's trainers subclass it and call the model the same way; the
+tests run ``Trainer`` itself).
 
     from fxpass.integrations.transformers import compile_model
 
@@ -49,8 +50,11 @@ def missing_loss_type(model: torch.nn.Module) -> str | None:
     A model whose ``loss_type`` transformers does not recognise (``GPT2LMHeadModel``'s class name names none,
     so it is None) makes its ``loss_function`` log a ``warning_once``, which Dynamo cannot trace: the graph
     breaks between the head and the loss, and the CCE rule sees the logits arrive as an input. transformers
-    then uses the causal-LM loss anyway, so setting that name keeps the computation and removes the warning.
-    A model with its own ``loss_function`` never reads ``loss_type``.
+    then uses the causal-LM loss anyway, so setting that name keeps the model's computation and removes the
+    warning. The Trainer reads the name too: with it, gradient accumulation's ``num_items_in_batch`` counts
+    the shifted labels the loss averages over, as for Llama; without it (GPT-2), it counts one more token a
+    row, and the logged loss is that much lower. A model with its own ``loss_function`` never reads
+    ``loss_type``.
     """
     if not hasattr(model, "loss_type") or "_loss_function" in vars(model):
         return None
