@@ -4,6 +4,9 @@
     python benchmarks/hf_trainer.py --models gpt2 --variants torch.compile/sdpa,memopt/eager
     python benchmarks/hf_trainer.py --smoke --out /tmp/hf_trainer           # CPU, tiny configs: checks the script
 
+On an H200 a variant takes one to three minutes (mostly Inductor's compile); run one model a call where a
+call has a time limit. Each result is also appended to ``hf_trainer.partial.jsonl`` as soon as it exists.
+
 Each variant trains a fresh model built from a config (random init, no download, dropout 0) on synthetic token
 rows of full length (labels = inputs, no padding) with a real ``transformers.Trainer``: ``bf16=True`` (autocast
 over fp32 weights), the default AdamW, ``max_steps = warmup + steps``. Variants are ``<route>/<attention>``:
@@ -252,13 +255,15 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("fxpass").setLevel(logging.WARNING)  # the per-graph decision tables
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):
             for variant in args.variants.split(","):
                 results.append(run_variant(name, variant, args, Path(scratch)))
+                with (args.out / "hf_trainer.partial.jsonl").open("a") as partial:  # survives a time limit
+                    partial.write(json.dumps(dataclasses.asdict(results[-1])) + "\n")
     with_ratios(results)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "hf_trainer.json").write_text(json.dumps([dataclasses.asdict(r) for r in results], indent=2))
     title = header("HF Trainer step, bf16=True", device)
     title += f", {args.compiler}, gradient accumulation {args.grad_accum}"
