@@ -1,16 +1,21 @@
-"""Recognising causal masks from how a graph builds them, so attention can take a flag instead of a T×T tensor.
+"""Proving what a boolean attention mask keeps from how the graph builds it, so attention can take O(B·T) facts
+(a causal flag, per-sequence key masks) instead of a T×T tensor.
 
-A boolean mask is read symbolically: it is *allowed* when it is true exactly where key j ≤ query i (the lower
-triangle, ``torch.tril(torch.ones(Tq, Tk))``, i.e. ``F.scaled_dot_product_attention(is_causal=True)``), and
-*future* when it is true exactly where j > i. The forms found in practice:
+A boolean mask is read symbolically as a set of (batch b, query i, key j) pairs (``Pairs``): the conjunction of
+atoms, or its complement. The atoms are
 
-- comparisons of position indices: ``kv_idx <= q_idx`` (HF transformers' masking utilities), ``j > i``, with
-  the indices built by ``arange`` (plus a constant 0) and placed on the last two dimensions;
-- a lower-triangular matrix of ones, ``torch.tril(torch.ones(T, T))``, or a registered buffer holding one
-  (nanoGPT), compared with ``== 0`` / ``== 1``, converted with ``.bool()``, cropped with ``[..., :T, :T]``;
-- negation, ``expand``, ``view``, ``unsqueeze`` and ``[None]`` indexing in between.
+- ``Diagonal``: ``j − i ≤ c`` or ``j − i > c``. ``j ≤ i`` is the causal lower triangle
+  (``F.scaled_dot_product_attention(is_causal=True)``); ``j > i − w`` with it is a sliding window of w keys;
+- ``Keys``: a boolean tensor that has size 1 on the query (and head) dimension, so it depends on the batch and
+  the key only (a padding mask ``attention_mask[:, None, None, :]``, or transformers' ``padding_mask[b_idx, kv_idx]``).
+  It is already O(B·T), so how it was built does not matter.
 
-Anything else is not causal as far as this module can prove; attention then keeps the mask as a bias.
+The forms found in practice: comparisons of position indices (``kv_idx <= q_idx``, ``kv_idx > q_idx - w``, with
+the indices built by ``arange`` plus a constant and placed on the last two dimensions), a lower-triangular matrix
+of ones (``torch.tril(torch.ones(T, T))``, or a registered buffer holding one, compared with ``== 0`` / ``== 1``),
+``&`` / ``|`` / ``~`` between them (transformers' ``and_masks`` starts from ``new_ones((), dtype=bool)``), and
+``expand``, ``view``, ``unsqueeze``, ``[None]`` indexing and casts in between. ``kept(node)`` turns the result into
+a ``Structure`` or says why it cannot; anything it cannot prove stays a tensor.
 """
 
 from __future__ import annotations
@@ -25,9 +30,6 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxpass.graph import is_call, is_method, tensor_value
-
-ALLOWED = "allowed"  # true where j <= i
-FUTURE = "future"  # true where j > i
 
 # A way to read a placeholder's real value (the backend's example inputs), for constant mask buffers.
 RealValue = Callable[[fx.Node], Any]
@@ -46,43 +48,211 @@ class Tril:
     """A tensor of ones on and below the diagonal of its last two dimensions (zeros above)."""
 
 
-def causal_kind(node: Any, real_value: RealValue) -> str | None:
-    """``ALLOWED``, ``FUTURE`` or None for a boolean mask node."""
-    value = _as_boolean(node, _evaluate(node, real_value))
-    return value if value in (ALLOWED, FUTURE) else None
+@dataclasses.dataclass(frozen=True)
+class Diagonal:
+    """``j − i ≤ bound`` (op "le") or ``j − i > bound`` (op "gt") for key j and query i."""
+
+    op: str
+    bound: int
+
+    def negated(self) -> Diagonal:
+        return Diagonal("gt" if self.op == "le" else "le", self.bound)
 
 
-def _as_boolean(node: Any, value):
-    """A boolean tril(ones) is the set of allowed pairs itself."""
-    known = tensor_value(node) if isinstance(node, fx.Node) else None
-    if isinstance(value, Tril) and known is not None and known.dtype == torch.bool:
-        return ALLOWED
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """``node[b, 0, 0, j]`` (or its negation): a boolean tensor of size 1 on the query and head dimensions."""
+
+    node: fx.Node
+    positive: bool = True
+
+    def negated(self) -> Keys:
+        return Keys(self.node, not self.positive)
+
+
+Atom = Diagonal | Keys
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """The pairs a boolean mask marks true: the conjunction of ``atoms`` (every pair when there are none), or with
+    ``complement`` every pair outside it. A single atom is never complemented (its negation is an atom)."""
+
+    atoms: frozenset[Atom] = frozenset()
+    complement: bool = False
+
+
+TRUE = Pairs()
+FALSE = Pairs(complement=True)
+CAUSAL = Pairs(frozenset({Diagonal("le", 0)}))  # j <= i
+FUTURE = Pairs(frozenset({Diagonal("gt", 0)}))  # j > i
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """What a mask keeps, as O(B·T) facts: key j ≤ query i (``causal``), and j > i − ``window`` (a sliding window,
+    only with causal), and every ``keys`` tensor true at (b, j)."""
+
+    causal: bool = False
+    keys: tuple[Keys, ...] = ()
+    window: int | None = None
+
+
+def kept(node: Any, real_value: RealValue, *, complement: bool = False) -> Structure | str:
+    """The structure of the pairs boolean ``node`` is true on (with ``complement``: false on), or why it is unknown."""
+    memo: dict = {}
+    value = _as_pairs(node, _evaluate(node, real_value, memo))
+    if not isinstance(value, Pairs):
+        if any(isinstance(part, Pairs) and part.complement and part.atoms for part in memo.values()):
+            return "the mask is a union of conditions (or_masks), not an intersection"
+        name = node.name if isinstance(node, fx.Node) else repr(node)
+        return f"{name} is not built from position comparisons, tril/ones or per-key tensors"
+    if complement:
+        value = _negate(value)
+    if value.complement:
+        return "the mask is a union of conditions (or_masks), not an intersection" if value.atoms else (
+            "the mask hides every pair"
+        )
+    return _structure(value)
+
+
+def _structure(value: Pairs) -> Structure | str:
+    """Diagonal atoms as an interval of j − i: (lower, upper]; causal is upper = 0, a window is lower = −w."""
+    uppers = [a.bound for a in value.atoms if isinstance(a, Diagonal) and a.op == "le"]
+    lowers = [a.bound for a in value.atoms if isinstance(a, Diagonal) and a.op == "gt"]
+    upper, lower = (min(uppers) if uppers else None), (max(lowers) if lowers else None)
+    if upper not in (None, 0):
+        return f"its diagonal is shifted (keys j <= i + {upper}), not the causal j <= i"
+    if lower is not None and upper is None:
+        return f"it keeps keys after the query (j - i > {lower}) without a causal bound"
+    if lower is not None and lower >= 0:
+        return "it hides every pair (an empty band)"
+    keys = tuple(sorted((a for a in value.atoms if isinstance(a, Keys)), key=lambda a: (a.node.name, a.positive)))
+    return Structure(causal=upper == 0, keys=keys, window=-lower if lower is not None else None)
+
+
+# --- the algebra of Pairs -------------------------------------------------------------------------------------
+
+
+def _canonical(value: Pairs) -> Pairs:
+    if value.complement and len(value.atoms) == 1:
+        (atom,) = value.atoms
+        return Pairs(frozenset({atom.negated()}))
     return value
 
 
-def _evaluate(node: Any, real_value: RealValue):
-    """Symbolic value of ``node``: ALLOWED / FUTURE (booleans), Tril (numbers), Index, or None (unknown)."""
+def _negate(value: Pairs) -> Pairs:
+    return _canonical(Pairs(value.atoms, not value.complement))
+
+
+def _and(a: Pairs, b: Pairs) -> Pairs | None:
+    if FALSE in (a, b):
+        return FALSE
+    if TRUE in (a, b):
+        return b if a == TRUE else a
+    if a.complement or b.complement:
+        return None  # (not a conjunction) and ...: not a conjunction
+    return Pairs(a.atoms | b.atoms)
+
+
+def _or(a: Pairs, b: Pairs) -> Pairs | None:
+    both = _and(_negate(a), _negate(b))
+    return _negate(both) if both is not None else None
+
+
+# --- symbolic evaluation ------------------------------------------------------------------------------------
+
+
+def _as_pairs(node: Any, value):
+    """A boolean tril(ones) is the causal set of pairs itself."""
+    known = tensor_value(node) if isinstance(node, fx.Node) else None
+    if isinstance(value, Tril) and known is not None and known.dtype == torch.bool:
+        return CAUSAL
+    return value
+
+
+def _evaluate(node: Any, real_value: RealValue, memo: dict):
+    """Symbolic value of ``node``: Pairs (booleans), Tril (numbers), Index, or None (unknown)."""
     if not isinstance(node, fx.Node):
         return None
+    if node not in memo:
+        value = _evaluate_op(node, real_value, memo)
+        memo[node] = value if value is not None else _per_key(node)
+    return memo[node]
+
+
+def _evaluate_op(node: fx.Node, real_value: RealValue, memo: dict):
     if _is_view_like(node):
-        inner = _evaluate(node.args[0], real_value)
+        inner = _evaluate(node.args[0], real_value, memo)
         if isinstance(inner, Index):
             return _moved_index(node, inner)
+        if isinstance(inner, Pairs) and any(isinstance(a, Keys) for a in inner.atoms):
+            # A per-key atom is read as [..., B, 1, 1, Tk]: only ops that keep every dimension's meaning keep it.
+            return inner if is_method(node, "expand", "expand_as", "bool", "to", "contiguous") else None
         return inner if _keeps_mask_geometry(node) else None
     if node.op == "placeholder":
         return _constant_tril(real_value(node))
     if is_call(node, torch.tril) or is_method(node, "tril"):
         return Tril() if _is_ones(node.args[0]) and _diagonal(node) == 0 else None
-    if is_call(node, operator.invert, torch.logical_not) or is_method(node, "logical_not", "bitwise_not"):
-        inner = _as_boolean(node.args[0], _evaluate(node.args[0], real_value))
-        return {ALLOWED: FUTURE, FUTURE: ALLOWED}.get(inner)
+    if _is_bool_ones(node):
+        return TRUE
+    if (is_method(node, "new_zeros") or is_call(node, torch.zeros)) and _is_bool(node):
+        return FALSE  # transformers' or_masks starts from new_zeros((), dtype=bool)
+    if is_call(node, operator.invert, torch.logical_not, torch.bitwise_not) or is_method(
+        node, "logical_not", "bitwise_not"
+    ):
+        inner = _as_pairs(node.args[0], _evaluate(node.args[0], real_value, memo))
+        return _negate(inner) if isinstance(inner, Pairs) and _is_bool(node.args[0]) else None
     if is_call(node, torch.arange):
         return _arange(node)
-    if is_call(node, operator.add, torch.add) and len(node.args) == 2:
-        return _shifted(node, real_value)
+    if is_call(node, operator.add, torch.add, operator.sub, torch.sub) and len(node.args) == 2 and not node.kwargs:
+        return _shifted(node, real_value, memo)
+    if (is_call(node, *_AND, *_OR) or is_method(node, *_AND_METHODS, *_OR_METHODS)) and len(node.args) == 2:
+        return _logical(node, real_value, memo)
     if node.op in ("call_function", "call_method") and len(node.args) == 2:
-        return _comparison(node, real_value)
+        return _comparison(node, real_value, memo)
     return None
+
+
+def _per_key(node: fx.Node) -> Pairs | None:
+    """A boolean tensor of at most 4 dims with size 1 on the query dim (and the head dim): a per-key atom."""
+    value = tensor_value(node)
+    if value is None or value.dtype != torch.bool or not 1 <= value.dim() <= 4:
+        return None
+    if value.dim() >= 2 and not statically_known_true(value.shape[-2] == 1):
+        return None
+    if value.dim() >= 3 and not statically_known_true(value.shape[-3] == 1):
+        return None
+    return Pairs(frozenset({Keys(node)}))
+
+
+def _is_bool(node: Any) -> bool:
+    value = tensor_value(node)
+    return value is not None and value.dtype == torch.bool
+
+
+_AND = (operator.and_, torch.logical_and, torch.bitwise_and)
+_OR = (operator.or_, torch.logical_or, torch.bitwise_or)
+_AND_METHODS = ("logical_and", "bitwise_and")
+_OR_METHODS = ("logical_or", "bitwise_or")
+
+
+def _logical(node: fx.Node, real_value: RealValue, memo: dict) -> Pairs | None:
+    """``a & b`` and ``a | b`` of booleans (bitwise ops on integers are not logic)."""
+    left, right = node.args
+    if not (_is_bool(left) and _is_bool(right)):
+        return None
+    a = _as_pairs(left, _evaluate(left, real_value, memo))
+    b = _as_pairs(right, _evaluate(right, real_value, memo))
+    if not (isinstance(a, Pairs) and isinstance(b, Pairs)):
+        return None
+    conjunction = is_call(node, *_AND) or is_method(node, *_AND_METHODS)
+    return _and(a, b) if conjunction else _or(a, b)
+
+
+def _is_bool_ones(node: fx.Node) -> bool:
+    """``x.new_ones(..., dtype=torch.bool)`` or ``torch.ones(..., dtype=torch.bool)``: every pair."""
+    return (is_method(node, "new_ones") or is_call(node, torch.ones)) and _is_bool(node)
 
 
 _VIEW_METHODS = ("expand", "expand_as", "view", "reshape", "unsqueeze", "contiguous", "bool", "float", "to", "long")
@@ -108,6 +278,8 @@ def _moved_index(node: fx.Node, index: Index) -> Index | None:
         return None
     if is_method(node, "expand", "expand_as"):
         return index  # expanding broadcast dims leaves the index's own dimension in place
+    if is_call(node, operator.getitem) and not _crop_is_top_left(node.args[1]):
+        return None
     wide = [d for d, size in enumerate(out.shape) if not statically_known_true(size == 1)]
     if len(wide) != 1:
         return None
@@ -162,13 +334,17 @@ def _arange(node: fx.Node):
     return None
 
 
-def _shifted(node: fx.Node, real_value: RealValue):
+def _shifted(node: fx.Node, real_value: RealValue, memo: dict):
+    """``index + c``, ``c + index`` and ``index - c`` (transformers: ``q_idx - sliding_window``)."""
     base, other = node.args
+    subtract = is_call(node, operator.sub, torch.sub)
     if isinstance(other, fx.Node):
+        if subtract:
+            return None
         base, other = other, base
-    value = _evaluate(base, real_value)
-    if isinstance(value, Index) and isinstance(other, int):
-        return dataclasses.replace(value, offset=value.offset + other)
+    value = _evaluate(base, real_value, memo)
+    if isinstance(value, Index) and isinstance(other, int) and not isinstance(other, bool):
+        return dataclasses.replace(value, offset=value.offset + (-other if subtract else other))
     return None
 
 
@@ -177,30 +353,43 @@ _COMPARISONS = {
     operator.lt: "lt", torch.lt: "lt", "lt": "lt", operator.gt: "gt", torch.gt: "gt", "gt": "gt",
     operator.eq: "eq", torch.eq: "eq", "eq": "eq", operator.ne: "ne", torch.ne: "ne", "ne": "ne",
 }
+_MIRRORED = {"le": "ge", "ge": "le", "lt": "gt", "gt": "lt", "eq": "eq", "ne": "ne"}
 
 
-def _comparison(node: fx.Node, real_value: RealValue):
-    op = _COMPARISONS.get(node.target) if node.op in ("call_function", "call_method") else None
+def _comparison(node: fx.Node, real_value: RealValue, memo: dict):
+    op = _COMPARISONS.get(node.target)
     if op is None:
         return None
     left, right = node.args
-    lhs, rhs = _evaluate(left, real_value), _evaluate(right, real_value)
-    if isinstance(lhs, Tril) and right in (0, 1, 0.0, 1.0) and op in ("eq", "ne"):
-        return ALLOWED if (op == "eq") == (right in (1, 1.0)) else FUTURE
-    if isinstance(lhs, Index) and isinstance(rhs, Index) and lhs.offset == rhs.offset:
+    lhs, rhs = _evaluate(left, real_value, memo), _evaluate(right, real_value, memo)
+    if isinstance(lhs, Tril | Pairs) and right in (0, 1, 0.0, 1.0) and op in ("eq", "ne"):
+        as_set = CAUSAL if isinstance(lhs, Tril) else lhs
+        return as_set if (op == "eq") == (right in (1, 1.0)) else _negate(as_set)
+    if isinstance(lhs, Index) and isinstance(rhs, Index):
         return _index_comparison(op, lhs, rhs)
+    if isinstance(lhs, Index) and isinstance(right, int):
+        return _index_against_constant(op, lhs, right)
+    if isinstance(rhs, Index) and isinstance(left, int):
+        return _index_against_constant(_MIRRORED[op], rhs, left)
     return None
 
 
-def _index_comparison(op: str, lhs: Index, rhs: Index):
-    """``kv <= q`` is ALLOWED when kv runs along the last dim and q along the one before."""
+def _index_comparison(op: str, lhs: Index, rhs: Index) -> Pairs | None:
+    """``kv + a OP q + b`` with kv on the last dim and q on the one before: a bound on j − i."""
     if {lhs.axis, rhs.axis} != {-1, -2}:
         return None
-    kv_left = lhs.axis == -1
-    if op in ("le", "ge"):
-        return ALLOWED if (op == "le") == kv_left else None
-    if op in ("gt", "lt"):
-        return FUTURE if (op == "gt") == kv_left else None
+    if lhs.axis == -2:
+        lhs, rhs, op = rhs, lhs, _MIRRORED[op]
+    shift = rhs.offset - lhs.offset  # j + a OP i + b  <=>  j - i OP b - a
+    atom = {
+        "le": Diagonal("le", shift), "lt": Diagonal("le", shift - 1),
+        "gt": Diagonal("gt", shift), "ge": Diagonal("gt", shift - 1),
+    }.get(op)
+    return Pairs(frozenset({atom})) if atom is not None else None
+
+
+def _index_against_constant(op: str, index: Index, constant: int) -> Pairs | None:
+    """``arange(n) + offset OP c`` that holds for every position (transformers' bidirectional ``q_idx >= 0``)."""
+    if (op == "ge" and index.offset >= constant) or (op == "gt" and index.offset > constant):
+        return TRUE
     return None
-
-

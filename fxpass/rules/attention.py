@@ -5,16 +5,23 @@ The pattern is found from ``softmax(dim=-1)`` outwards: before it, an optional m
 nanoGPT (a registered ``tril`` buffer with ``masked_fill(-inf)``), HF transformers' eager attention
 (Llama/Mistral/Qwen2 with ``repeat_kv`` grouped-query heads and the masking utilities' additive mask, GPT-2,
 BERT's additive padding mask), scaling by multiplication or division (or none, as in T5),
-``torch.where(mask, scores, finfo.min)`` and softmax with a float32 upcast. A mask whose construction is
-provably causal (``fxpass.masks``) becomes a flag, so no T×T tensor is materialized at all; any other mask is
-passed as an additive bias, learned ones (T5) included: the op returns their gradient.
+``torch.where(mask, scores, finfo.min)`` and softmax with a float32 upcast.
+
+Masks are proved from their construction (``fxpass.masks``): a causal mask becomes a flag, and a mask built from
+a [B, T] ``attention_mask`` (transformers' masking utilities: causal ∧ key padding, left or right) becomes the
+flag plus a [B, 1, 1, Tk] additive key bias, so no T×T tensor is materialized at all. Query rows that see no
+key (left padding) get what the replaced code computed (``EMPTY_*``). Any other mask (a sliding window narrower
+than the sequence, a union) is passed as an additive bias with the reason recorded, learned ones (T5) included:
+the op returns their gradient.
 ``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left alone, with the reason
-recorded, unless they are handed a materialized mask that is provably causal (then the flag replaces it).
+recorded, unless they are handed a materialized mask whose structure is proved: a causal one becomes
+``is_causal=True``, a padding one a [B, 1, 1, Tk] mask, and causal ∧ padding ``memopt.flash_attention``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -49,6 +56,16 @@ SCORE_MATMULS = (*MATMUL_TARGETS, torch.bmm)
 # A fill value at or below this masks a score out completely (finfo(float32).min and -inf included).
 MASKED = -1e30
 
+# What the replaced code computes for a query row that sees no key at all (left padding, or a sequence of padding).
+# A finite fill (transformers' finfo.min) absorbs every score of such a row, so eager softmax is uniform over all
+# Tk keys: the row is the mean of v. An added fill also passes softmax's gradient at uniform probabilities to q
+# and k (autograd differentiates the addition, not the absorbed values); a replaced one (masked_fill, where) does
+# not. SDPA with a boolean mask returns zeros (torch >= 2.5 masks such rows in its math path), as the op does; a
+# -inf fill gives NaN in eager softmax and zeros here.
+EMPTY_ZERO = "zero"
+EMPTY_MEAN = "mean of v"
+EMPTY_MEAN_GRAD = "mean of v, with eager's q and k gradients"
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionMatch:
@@ -68,6 +85,15 @@ class AttentionMatch:
     dropout_p: float = 0.0
     three_d: bool = False  # bmm over [B·H, T, D]
     mask_nodes: tuple[fx.Node, ...] = ()  # mask construction that becomes dead with a causal flag
+    # Per-key boolean masks (size 1 on the query dim), ANDed into one [B, 1, 1, Tk] key-padding bias.
+    key_masks: tuple[masks.Keys, ...] = ()
+    empty_rows: str = EMPTY_ZERO  # what query rows that see no key must give (EMPTY_*)
+    # A mask that stays a bias, to find its rows without keys: (boolean node, True if it marks kept pairs).
+    bias_rows: tuple[fx.Node, bool] | None = None
+    mask_note: str | None = None  # why a mask stays a materialized bias
+    # An SDPA call that stays SDPA with an O(B·T) mask: "is_causal", "keys" (a [B, 1, 1, Tk] mask) or "none".
+    sdpa_mask: str | None = None
+    sdpa_fill: float | None = None  # the fill of an SDPA float mask rebuilt per key
     blocker: str | None = None
 
     @property
@@ -80,6 +106,12 @@ class AttentionMatch:
 
     def params(self) -> Mapping[str, Any]:
         params: dict[str, Any] = {"causal": self.causal, "mask": self._mask_kind(), "dropout_p": self.dropout_p}
+        if self.key_masks or self.bias_rows:
+            params["empty_rows"] = self.empty_rows
+        if self.mask_note:
+            params["mask_note"] = self.mask_note
+        if self.chain:
+            params["lowering"] = _SDPA_LOWERINGS.get(self.sdpa_mask, "memopt.flash_attention")
         q, k = tensor_value(self.q), tensor_value(self.k)
         if q is not None and k is not None:
             params.update(
@@ -96,10 +128,19 @@ class AttentionMatch:
 
     def _mask_kind(self) -> str:
         if self.causal:
-            return "causal (flag)"
+            return "causal (flag)" + (" + key padding" if self.key_masks else "")
+        if self.key_masks:
+            return "key padding"
         if self.biases or self.bias_from_mask is not None:
             return "additive bias"
         return "none"
+
+
+_SDPA_LOWERINGS = {
+    "is_causal": "F.scaled_dot_product_attention(is_causal=True)",
+    "keys": "F.scaled_dot_product_attention with a [B, 1, 1, Tk] mask",
+    "none": "F.scaled_dot_product_attention without a mask",
+}
 
 
 # --- match ------------------------------------------------------------------------------------------------
@@ -120,23 +161,19 @@ def match(facts: GraphFacts) -> list[AttentionMatch]:
 SDPA_FUSED = "F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is"
 
 
+_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
 def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
-    """An SDPA call is worth rewriting only when it is handed a materialized mask that is provably causal:
-    the flag replaces the mask (and its construction), and the kernel skips the blocks above the diagonal."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-    defaults = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-    bound = bind_args(node, names, defaults)
+    """An SDPA call is worth rewriting only when it is handed a materialized mask whose structure is proved: the
+    mask (and its construction) is replaced by O(B·T) facts. A causal mask becomes ``is_causal=True`` and a
+    padding mask a [B, 1, 1, Tk] one, both kept in SDPA (its flash/cuDNN kernels are the fastest for them);
+    causal ∧ padding, which SDPA cannot take without a T×T mask, becomes ``memopt.flash_attention``."""
+    bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
     mask = bound.get("attn_mask") if bound else None
     if bound is None or not isinstance(mask, fx.Node) or bound["is_causal"] is not False:
         return AttentionMatch(node, blocker=SDPA_FUSED)
-    mask_value = tensor_value(mask)
-    causal = (
-        masks.causal_kind(mask, facts.real_value) == masks.ALLOWED
-        if mask_value is not None and mask_value.dtype == torch.bool
-        else _causal_additive(mask, facts.real_value)
-    )
-    if not causal:
-        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (its mask is not provably causal)")
     q, k, v = bound["query"], bound["key"], bound["value"]
     values = [tensor_value(t) if isinstance(t, fx.Node) else None for t in (q, k, v)]
     head_dim = shapes.constant(values[0].shape[-1]) if values[0] is not None else None
@@ -146,13 +183,50 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (dropout or scale is not a constant)")
     if not bound["enable_gqa"] and not statically_known_true(values[0].shape[1] == values[1].shape[1]):
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (query and key heads differ without enable_gqa)")
-    scale = float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5
-    candidate = AttentionMatch(
-        node, chain=(node,), output=node, q=q, k=k, v=v, scale=scale, causal=True,
-        dropout_p=float(bound["dropout_p"]), mask_nodes=(mask,),
+    if _per_key_shaped(tensor_value(mask)):
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (its mask has no query dimension: already [B, 1, 1, Tk])")
+    structure, empty_rows, fill = _sdpa_mask_structure(mask, values[0], values[1], facts.real_value)
+    if isinstance(structure, str):
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (its mask stays: {structure})")
+    fields: dict[str, Any] = dict(
+        chain=(node,), output=node, q=q, k=k, v=v, causal=structure.causal, dropout_p=float(bound["dropout_p"]),
+        scale=float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5, mask_nodes=(mask,),
+        key_masks=structure.keys, empty_rows=empty_rows, sdpa_fill=fill,
     )
+    if not structure.keys:
+        fields["sdpa_mask"] = "is_causal" if structure.causal else "none"
+    elif not structure.causal:
+        fields["sdpa_mask"] = "keys"
+    else:
+        fields.update(k=_unrepeated(k), v=_unrepeated(v))
+    candidate = AttentionMatch(node, **fields)
     blocker = _blocker(candidate)
     return dataclasses.replace(candidate, blocker=blocker) if blocker else candidate
+
+
+def _per_key_shaped(mask: torch.Tensor | None) -> bool:
+    return mask is not None and (mask.dim() < 2 or statically_known_true(mask.shape[-2] == 1))
+
+
+def _sdpa_mask_structure(
+    mask: fx.Node, q: torch.Tensor, k: torch.Tensor, real
+) -> tuple[masks.Structure | str, str, float | None]:
+    """(what an SDPA mask keeps or why that is unknown, what its fully masked rows give, a float mask's fill)."""
+    if tensor_value(mask) is not None and tensor_value(mask).dtype == torch.bool:
+        structure = masks.kept(mask, real)
+        empty_rows, fill = EMPTY_ZERO, None
+    else:
+        found = _additive_mask(mask)
+        if not isinstance(found, tuple):
+            return found or f"{mask.name} is not a boolean condition turned into 0 / -inf", EMPTY_ZERO, None
+        keep, fill, cropped = found
+        structure = _uncropped(masks.kept(keep, real), cropped)
+        empty_rows = _added_rows(fill)
+    if isinstance(structure, masks.Structure):
+        structure = _without_vacuous_window(structure, q.shape[-2])
+    if isinstance(structure, masks.Structure):
+        structure = _rows_provable(structure, empty_rows, q.shape[-2], k.shape[-2])
+    return structure, empty_rows, fill
 
 
 def _is_sdpa(node: fx.Node) -> bool:
@@ -235,16 +309,14 @@ def _continues(user: fx.Node, node: fx.Node) -> bool:
 def _before_softmax(scores: fx.Node, facts: GraphFacts):
     """(nodes from q @ kᵀ on, q, k, scale, mask fields) leading to the softmax input, or None."""
     chain: list[fx.Node] = []
-    mask: dict[str, Any] = {}
+    steps: list[dict[str, Any]] = []
     node = scores
     scale = 1.0
     while True:
         chain.append(node)
         if (found := _mask_step(node, facts)) is not None:  # T5's decoder adds a position bias, then a mask
             node, step = found
-            mask = _merge_masks(mask, step)
-            if mask is None:
-                return None
+            steps.append(step)
             continue
         factor = _scale_step(node)
         if factor is not None and scale == 1.0:
@@ -254,19 +326,44 @@ def _before_softmax(scores: fx.Node, facts: GraphFacts):
             node = node.args[0]
             continue
         qk = _qk_product(node)
-        if qk is None:
+        mask = _combine(steps)
+        if qk is None or mask is None:
             return None
         q, k = qk
         return tuple(reversed(chain)), q, k, scale, mask
 
 
+def _combine(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The mask fields of every step. A per-key mask whose fully masked rows need eager's mean of v is proved
+    only alone: beside other terms those rows would depend on them too, so it stays a bias."""
+    if len(steps) > 1:  # (rows without keys then also depend on the other terms: left as the op computes them)
+        steps = [_as_bias(step, "a per-key mask with a finite fill beside other mask terms")
+                 if step.get("key_masks") and step["empty_rows"] != EMPTY_ZERO else step for step in steps]
+        steps = [{k: v for k, v in step.items() if k not in ("bias_rows", "empty_rows")} for step in steps]
+    merged: dict[str, Any] | None = {}
+    for step in steps:
+        merged = _merge_masks(merged, step)
+        if merged is None:
+            return None
+    merged.pop("as_bias", None)
+    return merged
+
+
+def _as_bias(step: dict[str, Any], why: str) -> dict[str, Any]:
+    mask = step["mask_nodes"][0]
+    return {**step["as_bias"], "mask_note": f"the mask ({mask.name}) stays a bias: {why}"}
+
+
 def _merge_masks(mask: dict[str, Any], step: dict[str, Any]) -> dict[str, Any] | None:
-    """The mask fields of two steps together: causal flags and additive terms add up; at most one boolean mask
-    becomes a bias (two would need their union, which is left to eager)."""
+    """The mask fields of two steps together: causal flags, key masks and additive terms add up; at most one
+    boolean mask becomes a bias (two would need their union, which is left to eager)."""
     merged = dict(mask)
     merged["causal"] = mask.get("causal", False) or step.get("causal", False)
-    merged["mask_nodes"] = mask.get("mask_nodes", ()) + step.get("mask_nodes", ())
-    merged["biases"] = mask.get("biases", ()) + step.get("biases", ())
+    for key in ("mask_nodes", "biases", "key_masks"):
+        merged[key] = mask.get(key, ()) + step.get(key, ())
+    for key in ("empty_rows", "mask_note", "bias_rows"):
+        if key in step:
+            merged.setdefault(key, step[key])
     if "bias_from_mask" in step:
         if "bias_from_mask" in mask:
             return None
@@ -281,26 +378,102 @@ def _mask_step(node: fx.Node, facts: GraphFacts):
         scores, hidden, fill = node.args[:3]
         if not _masks_out(fill):
             return None
-        if masks.causal_kind(hidden, real) == masks.FUTURE:
-            return scores, {"causal": True, "mask_nodes": (hidden,)}
-        return scores, {"bias_from_mask": (hidden, float(fill), True)}
+        structure = masks.kept(hidden, real, complement=True)
+        as_bias = {"bias_from_mask": (hidden, float(fill), True), **_row_fix(hidden, False, _replaced_rows(fill))}
+        return scores, _structured(structure, hidden, node, _replaced_rows(fill), as_bias)
     if is_call(node, torch.where) and len(node.args) == 3:
         keep, scores, fill = node.args
         if not _masks_out(fill) or not isinstance(scores, fx.Node):
             return None
-        if masks.causal_kind(keep, real) == masks.ALLOWED:
-            return scores, {"causal": True, "mask_nodes": (keep,)}
-        return scores, {"bias_from_mask": (keep, float(fill), False)}
+        as_bias = {"bias_from_mask": (keep, float(fill), False), **_row_fix(keep, True, _replaced_rows(fill))}
+        return scores, _structured(masks.kept(keep, real), keep, node, _replaced_rows(fill), as_bias)
     if is_call(node, operator.add, torch.add) and len(node.args) == 2 and not node.kwargs:
         scores, additive = node.args
         if not (isinstance(scores, fx.Node) and isinstance(additive, fx.Node)):
             return None
         if _is_scores_shaped(additive) and not _is_scores_shaped(scores):
             scores, additive = additive, scores
-        if _causal_additive(additive, real):
-            return scores, {"causal": True, "mask_nodes": (additive,)}
-        return scores, {"biases": (additive,)}
+        as_bias = {"biases": (additive,)}
+        found = _additive_mask(additive)
+        if found is None:
+            return scores, as_bias  # a position bias, or a float mask built some other way
+        if isinstance(found, str):
+            return scores, {**as_bias, "mask_note": f"the mask ({additive.name}) stays a bias: {found}"}
+        keep, fill, cropped = found
+        structure = _uncropped(masks.kept(keep, real), cropped)
+        as_bias.update(_row_fix(keep, True, _added_rows(fill)) if not cropped else {})
+        return scores, _structured(structure, additive, node, _added_rows(fill), as_bias)
     return None
+
+
+def _row_fix(mask: fx.Node, keeps: bool, empty_rows: str) -> dict[str, Any]:
+    """For a mask that stays a bias: its boolean (True where kept, or where hidden) and what its rows without
+    keys give, when that is not the op's zeros. The op cannot give eager's uniform rows itself (its fp32
+    log-sum-exp absorbs log Tk next to finfo.min; the CUDA kernel's base-2 scores turn finfo.min into -inf)."""
+    if empty_rows == EMPTY_ZERO or not _is_boolean(mask):
+        return {}
+    return {"bias_rows": (mask, keeps), "empty_rows": empty_rows}
+
+
+def _is_boolean(node: Any) -> bool:
+    value = tensor_value(node)
+    return value is not None and value.dtype == torch.bool
+
+
+def _structured(
+    structure: masks.Structure | str, mask: fx.Node, scores: fx.Node, empty_rows: str, as_bias: dict[str, Any]
+) -> dict[str, Any]:
+    """Mask fields for a mask whose structure is proved (a flag, key masks), else ``as_bias`` with the reason."""
+    value = tensor_value(scores)
+    if isinstance(structure, masks.Structure):
+        structure = _without_vacuous_window(structure, value.shape[-2])
+    if isinstance(structure, masks.Structure) and structure.keys and value.dim() != 4:
+        structure = "per-key masks need 4-D scores [B, H, Tq, Tk]"
+    if isinstance(structure, masks.Structure):
+        structure = _rows_provable(structure, empty_rows, value.shape[-2], value.shape[-1])
+    if isinstance(structure, str):
+        return {**as_bias, "mask_note": f"the mask ({mask.name}) stays a bias: {structure}"}
+    fields: dict[str, Any] = {"causal": structure.causal, "mask_nodes": (mask,)}
+    if structure.keys:
+        fields.update(key_masks=structure.keys, empty_rows=empty_rows, as_bias=as_bias)
+    return fields
+
+
+def _without_vacuous_window(structure: masks.Structure, queries) -> masks.Structure | str:
+    """A causal sliding window of w keys hides nothing when there are at most w queries (Mistral's 4096 at a
+    shorter length); a narrower one would need a banded kernel, which memopt.flash_attention does not have."""
+    if structure.window is None:
+        return structure
+    if statically_known_true(queries <= structure.window):
+        return dataclasses.replace(structure, window=None)
+    return (
+        f"a sliding window of {structure.window} keys, narrower than the {shapes.render(queries)} queries "
+        "(memopt.flash_attention has no banded mask)"
+    )
+
+
+def _rows_provable(structure: masks.Structure, empty_rows: str, queries, keys) -> masks.Structure | str:
+    """Finding the causal rows that see no key reads the key mask's running count at the query's own position,
+    which needs as many queries as keys (self-attention)."""
+    if structure.keys and structure.causal and empty_rows != EMPTY_ZERO and not statically_known_true(queries == keys):
+        return "causal with key padding over unequal query and key lengths"
+    return structure
+
+
+def _uncropped(structure: masks.Structure | str, cropped: bool) -> masks.Structure | str:
+    if cropped and isinstance(structure, masks.Structure) and structure.keys:
+        return "a crop of a per-key mask"
+    return structure
+
+
+def _replaced_rows(fill: float) -> str:
+    """A fill that replaces the scores: a finite one makes a keyless row uniform, without gradient to q or k."""
+    return EMPTY_MEAN if math.isfinite(fill) else EMPTY_ZERO
+
+
+def _added_rows(fill: float) -> str:
+    """A finite fill added to the scores absorbs them: uniform rows, with softmax's gradient still reaching q, k."""
+    return EMPTY_MEAN_GRAD if math.isfinite(fill) else EMPTY_ZERO
 
 
 def _is_fp32_upcast(node: fx.Node) -> bool:
@@ -328,16 +501,32 @@ def _is_scores_shaped(node: fx.Node) -> bool:
     )
 
 
-def _causal_additive(node: fx.Node, real) -> bool:
-    """``where(allowed, 0, finfo.min)`` (through views): an additive mask that is purely causal."""
+def _additive_mask(node: fx.Node) -> tuple[fx.Node, float, bool] | str | None:
+    """(keep, fill, cropped) for ``where(keep, 0, fill)`` through views and top-left crops: an additive mask built
+    from a boolean one (transformers' eager masks, with fill finfo.min). A reason when its fill is too small to
+    mask a score out (fp16's finfo.min, -65504: eager's rows without keys are then not uniform); None when the
+    node is no such mask (a position bias)."""
+    cropped, outer = False, node
     while is_method(node, "expand", "to", "contiguous") or (
         is_call(node, operator.getitem) and masks._crop_is_top_left(node.args[1])
     ):
+        cropped = cropped or is_call(node, operator.getitem)
         node = node.args[0]
     if not (is_call(node, torch.where) and len(node.args) == 3):
-        return False
+        return None
     keep, zero, fill = node.args
-    return _is_zero(zero) and _masks_out(fill) and masks.causal_kind(keep, real) == masks.ALLOWED
+    if not (isinstance(keep, fx.Node) and _is_zero(zero) and isinstance(fill, float | int)):
+        return None
+    if not _masks_out(fill):
+        return f"its fill {float(fill):g} does not absorb the scores (a fill <= {MASKED:g} does)"
+    return keep, _fill_as(float(fill), tensor_value(outer)), cropped
+
+
+def _fill_as(fill: float, mask: torch.Tensor | None) -> float:
+    """The fill as the mask holds it: finfo(float32).min cast to a 16-bit mask is -inf."""
+    if mask is None or not mask.is_floating_point():
+        return fill
+    return float(torch.tensor(fill, dtype=mask.dtype))
 
 
 def _is_zero(value: Any) -> bool:
@@ -478,8 +667,22 @@ def _heads_divide(q: torch.Tensor, k: torch.Tensor) -> bool:
 def decide(candidate: AttentionMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
-    what = "attention probabilities never stored" + (" (causal mask as a flag)" if candidate.causal else "")
-    return decide_on_saving(memory_model(candidate), config, what)
+    return decide_on_saving(memory_model(candidate), config, _what(candidate))
+
+
+def _what(candidate: AttentionMatch) -> str:
+    """What the rewrite does, for the record's reason."""
+    if candidate.sdpa_mask is not None:
+        what = f"the [B, 1, Tq, Tk] mask is no longer built: {_SDPA_LOWERINGS[candidate.sdpa_mask]}"
+    elif _is_sdpa(candidate.softmax):
+        what = "the [B, 1, Tq, Tk] mask is no longer built: memopt.flash_attention, causal flag and key-padding bias"
+    else:
+        what = "attention probabilities never stored" + (" (causal mask as a flag)" if candidate.causal else "")
+        if candidate.key_masks:
+            what += " (key padding as a [B, 1, 1, Tk] bias)"
+    if candidate.key_masks and candidate.empty_rows != EMPTY_ZERO and candidate.sdpa_mask is None:
+        what += f"; rows without keys give the {candidate.empty_rows}, as eager does"
+    return what + (f"; {candidate.mask_note}" if candidate.mask_note else "")
 
 
 def memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
@@ -503,6 +706,7 @@ def memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
     batch = 1 if candidate.three_d else q.shape[0]
     heads = q.shape[0] if candidate.three_d else q.shape[1]
     after = working_set(batch, heads, q.shape[-2], k.shape[-2], q.device)
+    after.update(_key_mask_terms(candidate))
     if len(candidate.biases) + (candidate.bias_from_mask is not None) > 1:
         after["transient: the additive terms summed into one bias (at most [B, H, Tq, Tk])"] = scores * q.dtype.itemsize
     if any(tensor_value(term).requires_grad for term in candidate.biases):
@@ -522,14 +726,23 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
     output = candidate.output
     fake_mode = fake_mode_of([output, candidate.q])
 
-    def add(op: str, target: Any, *args: Any) -> fx.Node:
-        return insert_node(graph, op, target, args, meta_from=output, fake_mode=fake_mode)
+    def add(op: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return insert_node(graph, op, target, args, kwargs, meta_from=output, fake_mode=fake_mode)
 
+    if candidate.sdpa_mask is not None:
+        with graph.inserting_before(output):
+            result = _sdpa_with_mask_structure(add, candidate)
+        output.replace_all_uses_with(result)
+        erase_unused([output, *_mask_construction(candidate)])
+        return
     with graph.inserting_before(output):
         q, k, v = candidate.q, candidate.k, candidate.v
         if candidate.three_d:
             q, k, v = (add("call_method", "unsqueeze", t, 0) for t in (q, k, v))
         terms = list(candidate.biases)
+        keep = _key_keep(add, candidate.key_masks) if candidate.key_masks else None
+        if keep is not None:  # key padding as 0 / -inf: the rows it empties give 0, replaced below if need be
+            terms.append(add("call_function", torch.where, keep, 0.0, float("-inf")))
         if candidate.bias_from_mask is not None:
             mask, fill, fill_where_true = candidate.bias_from_mask
             values = (float(fill), 0.0) if fill_where_true else (0.0, float(fill))
@@ -551,6 +764,13 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
             float(candidate.dropout_p),
         )
         result = add("call_function", operator.getitem, fused, 0)
+        if (keep is not None or candidate.bias_rows) and candidate.empty_rows != EMPTY_ZERO:
+            if keep is not None:
+                empty = _rows_without_keys(add, keep, candidate.causal)
+            else:
+                empty = _rows_hidden_whole(add, *candidate.bias_rows)
+            fix = _eager_keyless_rows(add, q, k, v, candidate.scale, candidate.empty_rows == EMPTY_MEAN_GRAD)
+            result = add("call_function", torch.where, empty, fix, result)
         if candidate.three_d:
             result = add("call_method", "squeeze", result, 0)
         wanted = tensor_value(output).dtype
@@ -560,27 +780,128 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
     erase_unused([*candidate.chain, *_inputs_left_dead(candidate), *_mask_construction(candidate)])
 
 
+def _sdpa_with_mask_structure(add, candidate: AttentionMatch) -> fx.Node:
+    """The SDPA call again, with ``is_causal=True`` or a [B, 1, 1, Tk] mask (same dtype) in place of the T×T one."""
+    node = candidate.softmax
+    bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
+    mask = None
+    if candidate.sdpa_mask == "keys":
+        mask = _key_keep(add, candidate.key_masks)
+        if candidate.sdpa_fill is not None:
+            mask = add("call_function", torch.where, mask, 0.0, candidate.sdpa_fill)
+            mask = add("call_method", "to", mask, tensor_value(candidate.mask_nodes[0]).dtype)
+    kwargs = {"attn_mask": mask, "dropout_p": bound["dropout_p"], "is_causal": candidate.sdpa_mask == "is_causal"}
+    kwargs.update({key: bound[key] for key in ("scale", "enable_gqa") if key in node.kwargs or bound[key]})
+    return add("call_function", node.target, bound["query"], bound["key"], bound["value"], **kwargs)
+
+
+def _key_keep(add, keys: tuple[masks.Keys, ...]) -> fx.Node:
+    """The AND of the per-key masks as one 4-D boolean [B|1, 1, 1, Tk|1]: True where a key is attended."""
+    keep = None
+    for atom in keys:
+        node = atom.node
+        missing = 4 - tensor_value(node).dim()
+        if missing:
+            node = add("call_function", operator.getitem, node, (None,) * missing + (Ellipsis,))
+        if not atom.positive:
+            node = add("call_function", operator.invert, node)
+        keep = node if keep is None else add("call_function", operator.and_, keep, node)
+    return keep
+
+
+def _rows_without_keys(add, keep: fx.Node, causal: bool) -> fx.Node:
+    """[B|1, 1, Tq|1, 1], True for the query rows that see no key: none kept up to the row's own position (causal,
+    Tq = Tk: the running count of kept keys), or none at all."""
+    if causal:
+        seen = add("call_method", "cumsum", keep, -1)
+        return add("call_method", "transpose", add("call_function", operator.eq, seen, 0), -1, -2)
+    return add("call_function", operator.invert, add("call_method", "any", keep, -1, True))
+
+
+def _rows_hidden_whole(add, mask: fx.Node, keeps: bool) -> fx.Node:
+    """[..., Tq, 1], True for the rows of a materialized boolean mask that keep no key."""
+    kept = mask if keeps else add("call_function", operator.invert, mask)
+    return add("call_function", operator.invert, add("call_method", "any", kept, -1, True))
+
+
+def _eager_keyless_rows(add, q: fx.Node, k: fx.Node, v: fx.Node, scale: float, with_grad: bool) -> fx.Node:
+    """What eager gives a row whose scores a finite fill absorbed: uniform probabilities, so the mean of v.
+
+    With ``with_grad`` (the fill was added) also eager's gradient: softmax's backward at P = 1/Tk gives
+    dS_ij = (dO_i · (v_j − v̄)) / Tk, so dq_i = scale · M dO_i and dk_j += scale · q_i (dO_i · (v_j − v̄)) / Tk with
+    M = Σ_j k_j (v_j − v̄)ᵀ / Tk. ``q @ M − (q @ M).detach()`` is zero and has exactly that gradient, in
+    O(B·H·D²) memory. The uniform weights come from softmax over zeros, as eager's 1/Tk do."""
+    first_column = add("call_function", operator.getitem, k, (Ellipsis, slice(None, 1)))
+    zeros = add("call_function", torch.zeros_like, first_column)
+    uniform = add("call_function", torch.softmax, add("call_method", "transpose", zeros, -1, -2), -1)  # [B, Hk, 1, Tk]
+    mean = add("call_function", torch.matmul, uniform, v)
+    groups = shapes.constant(tensor_value(q).shape[1]) // shapes.constant(tensor_value(k).shape[1])
+    fix = _repeat_heads(add, mean, groups)
+    if with_grad:
+        centered = add("call_function", operator.sub, v, mean)
+        weights = add("call_method", "detach", add(
+            "call_function", operator.mul, centered, add("call_method", "transpose", uniform, -1, -2)))
+        products = add("call_function", torch.matmul, add("call_method", "transpose", k, -1, -2), weights)
+        scores = add("call_function", operator.mul, add(
+            "call_function", torch.matmul, q, _repeat_heads(add, products, groups)), scale)
+        zero = add("call_function", operator.sub, scores, add("call_method", "detach", scores))
+        fix = add("call_function", operator.add, fix, zero)
+    return fix
+
+
+def _repeat_heads(add, node: fx.Node, groups: int) -> fx.Node:
+    """Key/value heads repeated for the query heads that share them (head h reads h // groups, as repeat_kv)."""
+    return node if groups == 1 else add("call_method", "repeat_interleave", node, groups, 1)
+
+
 def _sdpa_memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
-    """SDPA keeps O(T) either way; what the rewrite frees is the causal mask, if nothing else reads it."""
+    """SDPA keeps O(T) either way; what the rewrite frees is the T×T mask, if only attention reads it (the
+    layers of a model share one mask: each is charged all of it, since all of them are rewritten alike)."""
     from lowerings.flash_attention.op import working_set
 
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
     (mask,) = candidate.mask_nodes
-    only_here = all(user is candidate.softmax for user in mask.users) and mask.op != "placeholder"
+    only_here = _read_only_by_attention(mask)
     before = {f"transient: the causal mask {mask.name}, no longer built": shapes.nbytes(tensor_value(mask))
               if only_here else 0}
+    if candidate.sdpa_mask is not None:  # SDPA stays: its own working set is the same before and after
+        return shapes.MemoryModel(before, _key_mask_terms(candidate))
     return shapes.MemoryModel(before, working_set(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device))
 
 
+def _read_only_by_attention(mask: fx.Node) -> bool:
+    """Every reader of ``mask`` is an SDPA call or a masking step (the attention of another layer)."""
+    if mask.op == "placeholder":
+        return False
+    return all(
+        _is_sdpa(user) or is_call(user, operator.add, torch.add, torch.where) or is_method(user, "masked_fill")
+        for user in mask.users
+    )
+
+
+def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
+    """What the O(B·T) replacement of a padding mask costs: the key bias, and the rows that see no key."""
+    q, k = tensor_value(candidate.q), tensor_value(candidate.k)
+    terms: dict[str, Any] = {}
+    if candidate.key_masks:
+        terms["transient: the key mask [B, 1, 1, Tk]"] = q.shape[0] * k.shape[-2] * q.dtype.itemsize
+    if candidate.sdpa_mask is None and candidate.empty_rows != EMPTY_ZERO:
+        terms["transient: rows without keys replaced by the mean of v [B, Hq, Tq, D]"] = shapes.nbytes(q)
+    return terms
+
+
 def _inputs_left_dead(candidate: AttentionMatch) -> list[fx.Node]:
-    """kᵀ and HF's repeat_kv copies of k and v, which only the replaced matmuls read."""
+    """kᵀ and HF's repeat_kv copies of k and v, which only the replaced matmuls (or SDPA) read."""
     first, last = candidate.chain[0], candidate.chain[-1]
     if _is_sdpa(first):
-        return []
-    if _einsum_form(first) is not None or _einsum_form(last) is not None:
+        bound = bind_args(first, _SDPA_NAMES, _SDPA_DEFAULTS) or {}
+        found, starts = [], [bound.get("key"), bound.get("value")]
+    elif _einsum_form(first) is not None or _einsum_form(last) is not None:
         return []  # einsum reads k and v as they are
-    found = [first.args[1]] if isinstance(first.args[1], fx.Node) else []
-    for node in (*found, last.args[1]):
+    else:
+        found = [first.args[1]] if isinstance(first.args[1], fx.Node) else []
+        starts = [*found, last.args[1]]
+    for node in starts:
         while isinstance(node, fx.Node) and node not in (candidate.k, candidate.v) and node.op != "placeholder":
             found.append(node)
             node = node.args[0] if node.args else None

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 from expecttest import TestCase
+from transformers import masking_utils
 
 import fxpass
 from tests.helpers import after_code, assert_close_all, grads, record_lines, rewritten
@@ -247,7 +248,7 @@ class TestDeclines(TestCase):
         ex_padded = rewritten(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, k, v, padding)
         self.assertExpectedInline(record_lines(ex) + "\n" + record_lines(ex_padded), """\
 attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is
-attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask is not provably causal)""")
+attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask has no query dimension: already [B, 1, 1, Tk])""")
 
     def test_sdpa_with_a_materialized_causal_mask_gets_the_flag(self):
         """SDPA handed tril(ones) as a boolean mask: rewritten with the causal flag, the mask no longer built."""
@@ -267,6 +268,211 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
         ex = rewritten(lambda x: torch.softmax(gate(x), dim=-1).sum(), torch.randn(B, T, D))
         assert _attention_records(ex) == []
 
+
+def square_tensors(explanation, length: int) -> list[str]:
+    """Nodes of the rewritten graphs whose example value is a [..., T, T] tensor (scores, probabilities, masks)."""
+    found = []
+    for report in explanation.graphs:
+        for node in report.graph_module.graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[-2:]) == (length, length):
+                found.append(node.name)
+    return found
+
+
+def _padding(kind: str, batch: int = 3, length: int = T) -> torch.Tensor:
+    """[B, T] attention_mask: right or left padding, all ones, or one sequence that is all padding."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    if kind == "right":
+        mask[1, -2:], mask[2, -4:] = 0, 0
+    elif kind == "left":
+        mask[1, :2], mask[2, :4] = 0, 0
+    elif kind == "empty":
+        mask[1, :3], mask[2] = 0, 0
+    return mask
+
+
+def _padded_qkv(heads=4, kv_heads=2, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(3, heads, T, D), (3, kv_heads, T, D), (3, kv_heads, T, D)]
+    return [torch.randn(*shape, generator=gen, dtype=dtype).requires_grad_() for shape in shapes]
+
+
+def _repeat_kv(x, n):
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, n, t, d).reshape(b, h * n, t, d)
+
+
+def _eager_attention(q, k, v, scores_mask, dtype=torch.float64):
+    scores = q @ _repeat_kv(k, 2).transpose(-2, -1) * 0.3
+    return torch.softmax(scores_mask(scores), dim=-1, dtype=dtype).to(q.dtype) @ _repeat_kv(v, 2)
+
+
+def _hf_mask(pad, mask_function=masking_utils.causal_mask_function, sdpa=False, dtype=torch.float64):
+    """transformers' masks exactly as its models build them (boolean for SDPA, 0 / finfo.min for eager)."""
+    build = masking_utils.sdpa_mask if sdpa else masking_utils.eager_mask
+    kwargs = {} if sdpa else {"dtype": dtype}
+    return build(
+        batch_size=pad.shape[0], q_length=pad.shape[1], kv_length=pad.shape[1], mask_function=mask_function,
+        attention_mask=pad.bool(), allow_is_causal_skip=False, **kwargs,
+    )
+
+
+# Ways to hide keys from scores: (scores, keep [B, 1, T, T] bool, fill) -> masked scores.
+_MASKINGS = {
+    "added finfo.min": lambda s, keep, fill: s + torch.where(keep, torch.zeros((), dtype=s.dtype), fill),
+    "masked_fill finfo.min": lambda s, keep, fill: s.masked_fill(~keep, fill),
+    "where finfo.min": lambda s, keep, fill: torch.where(keep, s, fill),
+    "added -inf": lambda s, keep, fill: s + torch.where(keep, torch.zeros((), dtype=s.dtype), float("-inf")),
+}
+
+
+class TestPaddingMasks(TestCase):
+    """Masks built from a [B, T] attention_mask become a causal flag and a [B, 1, 1, Tk] key bias."""
+
+    def test_transformers_eager_mask_snapshot(self):
+        """transformers' eager mask (causal ∧ padding, 0 / finfo.min): no T×T tensor is left; the rows that left
+        padding empties get eager's mean of v, with eager's gradients."""
+
+        def fn(q, k, v, pad):
+            return _eager_attention(q, k, v, lambda s: s + _hf_mask(pad))
+
+        ex = _check(fn, *_padded_qkv(), _padding("left"))
+        (record,) = _attention_records(ex)
+        self.assertEqual(record.params["mask"], "causal (flag) + key padding")
+        self.assertEqual(record.params["empty_rows"], "mean of v, with eager's q and k gradients")
+        self.assertEqual(square_tensors(ex, T), [])
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f64[3, 2, 6, 8]cpu", L_q_: "f64[3, 4, 6, 8]cpu", L_pad_: "i64[3, 6]cpu", L_v_: "f64[3, 2, 6, 8]cpu"):
+        l_k_ = L_k_
+        l_q_ = L_q_
+        l_pad_ = L_pad_
+        l_v_ = L_v_
+        local_padding_mask: "b8[3, 6]cpu" = l_pad_.bool();  l_pad_ = None
+        batch_arange: "i64[3]cpu" = torch.arange(3, device = 'cpu')
+        head_arange: "i64[1]cpu" = torch.arange(1, device = 'cpu');  head_arange = None
+        arange_3: "i64[6]cpu" = torch.arange(6, device = 'cpu')
+        kv_arange: "i64[6]cpu" = arange_3 + 0;  arange_3 = None
+        batch_indices: "i64[3, 1, 1, 1]cpu" = batch_arange[(slice(None, None, None), None, None, None)];  batch_arange = None
+        kv_indices: "i64[1, 1, 1, 6]cpu" = kv_arange[(None, None, None, slice(None, None, None))];  kv_arange = None
+        getitem_5: "b8[3, 1, 1, 6]cpu" = local_padding_mask[(batch_indices, kv_indices)];  local_padding_mask = batch_indices = kv_indices = None
+        where_1: "f32[3, 1, 1, 6]cpu" = torch.where(getitem_5, 0.0, -inf)
+        to_3: "f64[3, 1, 1, 6]cpu" = where_1.to(torch.float64);  where_1 = None
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, to_3, 0.3, True, 0.0);  to_3 = None
+        getitem_7: "f64[3, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        cumsum: "i64[3, 1, 1, 6]cpu" = getitem_5.cumsum(-1);  getitem_5 = None
+        eq: "b8[3, 1, 1, 6]cpu" = cumsum == 0;  cumsum = None
+        transpose_1: "b8[3, 1, 6, 1]cpu" = eq.transpose(-1, -2);  eq = None
+        getitem_8: "f64[3, 2, 6, 1]cpu" = l_k_[(Ellipsis, slice(None, 1, None))]
+        zeros_like: "f64[3, 2, 6, 1]cpu" = torch.zeros_like(getitem_8);  getitem_8 = None
+        transpose_2: "f64[3, 2, 1, 6]cpu" = zeros_like.transpose(-1, -2);  zeros_like = None
+        softmax_1: "f64[3, 2, 1, 6]cpu" = torch.softmax(transpose_2, -1);  transpose_2 = None
+        matmul_2: "f64[3, 2, 1, 8]cpu" = torch.matmul(softmax_1, l_v_)
+        repeat_interleave: "f64[3, 4, 1, 8]cpu" = matmul_2.repeat_interleave(2, 1)
+        sub: "f64[3, 2, 6, 8]cpu" = l_v_ - matmul_2;  l_v_ = matmul_2 = None
+        transpose_3: "f64[3, 2, 6, 1]cpu" = softmax_1.transpose(-1, -2);  softmax_1 = None
+        mul_1: "f64[3, 2, 6, 8]cpu" = sub * transpose_3;  sub = transpose_3 = None
+        detach: "f64[3, 2, 6, 8]cpu" = mul_1.detach();  mul_1 = None
+        transpose_4: "f64[3, 2, 8, 6]cpu" = l_k_.transpose(-1, -2);  l_k_ = None
+        matmul_3: "f64[3, 2, 8, 8]cpu" = torch.matmul(transpose_4, detach);  transpose_4 = detach = None
+        repeat_interleave_1: "f64[3, 4, 8, 8]cpu" = matmul_3.repeat_interleave(2, 1);  matmul_3 = None
+        matmul_4: "f64[3, 4, 6, 8]cpu" = torch.matmul(l_q_, repeat_interleave_1);  l_q_ = repeat_interleave_1 = None
+        mul_2: "f64[3, 4, 6, 8]cpu" = matmul_4 * 0.3;  matmul_4 = None
+        detach_1: "f64[3, 4, 6, 8]cpu" = mul_2.detach()
+        sub_1: "f64[3, 4, 6, 8]cpu" = mul_2 - detach_1;  mul_2 = detach_1 = None
+        add_3: "f64[3, 4, 6, 8]cpu" = repeat_interleave + sub_1;  repeat_interleave = sub_1 = None
+        where_2: "f64[3, 4, 6, 8]cpu" = torch.where(transpose_1, add_3, getitem_7);  transpose_1 = add_3 = getitem_7 = None
+        return (where_2,)""")
+
+    def test_rows_without_keys_match_eager(self):
+        """Each way of hiding keys, with rows left without any key (left padding, a sequence of padding):
+        output and gradients equal eager's in float64, whatever eager computes there."""
+        pad = _padding("empty")
+        expected_rows = {"added finfo.min": "mean of v, with eager's q and k gradients",
+                         "masked_fill finfo.min": "mean of v", "where finfo.min": "mean of v", "added -inf": "zero"}
+        for causal in (True, False):
+            for name, masking in _MASKINGS.items():
+                def fn(q, k, v, pad, masking=masking, causal=causal):
+                    i = torch.arange(pad.shape[1])
+                    allowed = i[None, None, None, :] <= i[None, None, :, None] if causal else True
+                    keep = pad.bool()[:, None, None, :] & allowed
+                    return _eager_attention(q, k, v, lambda s: masking(s, keep, torch.finfo(s.dtype).min))
+
+                inputs = _padded_qkv()
+                if name == "added -inf":  # eager softmax gives NaN on rows without keys; the op gives 0
+                    expected = fn(*inputs, pad).nan_to_num(0.0)
+                    ex = rewritten(fn, *inputs, pad)
+                    torch.testing.assert_close(ex.result, expected)
+                else:
+                    ex = _check(fn, *inputs, pad)
+                (record,) = _attention_records(ex)
+                kind = "causal (flag) + key padding" if causal else "key padding"
+                self.assertEqual((record.params["mask"], record.params["empty_rows"]), (kind, expected_rows[name]))
+                self.assertEqual(square_tensors(ex, T), [], name)
+
+    def test_sdpa_boolean_masks(self):
+        """transformers' SDPA masks: causal ∧ padding (all ones included: the values are not known when compiling)
+        → memopt.flash_attention (rows without keys give 0, as SDPA does); padding alone → SDPA with a
+        [B, 1, 1, Tk] mask; causal alone → SDPA with is_causal=True."""
+        cases = {
+            "causal+padding": (masking_utils.causal_mask_function, "left", "memopt.flash_attention"),
+            "padding": (masking_utils.bidirectional_mask_function, "empty", "F.scaled_dot_product_attention with a [B, 1, 1, Tk] mask"),
+            "causal+all ones": (masking_utils.causal_mask_function, "ones", "memopt.flash_attention"),
+        }
+        for name, (mask_function, padding, lowering) in cases.items():
+            def fn(q, k, v, pad, mask_function=mask_function):
+                mask = _hf_mask(pad, mask_function, sdpa=True)
+                return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3)
+
+            ex = _check(fn, *_padded_qkv(), _padding(padding))
+            (record,) = _attention_records(ex)
+            self.assertTrue(record.applied, record.reason)
+            self.assertEqual(record.params["lowering"], lowering, name)
+            self.assertEqual(square_tensors(ex, T), [], name)
+
+        def causal_only(q, k, v):
+            mask = masking_utils.sdpa_mask(batch_size=B, q_length=T, kv_length=T, allow_is_causal_skip=False)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        ex = _check(causal_only, *_qkv())
+        self.assertIn("is_causal = True", after_code(ex))
+        self.assertEqual(square_tensors(ex, T), [])
+
+    def test_unproved_masks_stay_a_bias_with_the_reason(self):
+        """A sliding window narrower than the sequence, a union of conditions, fp16's finfo.min: the mask stays a
+        tensor and the record says why; the results still equal eager's."""
+        window = masking_utils.sliding_window_causal_mask_function(3)
+        union = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv < 2)
+        notes = {}
+        for name, mask_function in {"window": window, "union": union}.items():
+            def fn(q, k, v, pad, mask_function=mask_function):
+                return _eager_attention(q, k, v, lambda s: s + _hf_mask(pad, mask_function))
+
+            ex = _check(fn, *_padded_qkv(), _padding("left"))
+            (record,) = _attention_records(ex)
+            self.assertTrue(record.applied)
+            self.assertEqual(record.params["mask"], "additive bias")
+            notes[name] = record.params["mask_note"]
+
+            def sdpa(q, k, v, pad, mask_function=mask_function):
+                mask = _hf_mask(pad, mask_function, sdpa=True)
+                return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask)
+
+            ex = _check(sdpa, *_padded_qkv(), _padding("left"))
+            notes[f"{name}, sdpa"] = _attention_records(ex)[0].reason
+
+        def fp16_fill(q, k, v, pad):
+            return _eager_attention(q, k, v, lambda s: s + _hf_mask(pad, dtype=torch.float16).to(s.dtype))
+
+        ex = _check(fp16_fill, *_padded_qkv(), _padding("right"))
+        notes["fp16"] = _attention_records(ex)[0].params["mask_note"]
+        self.assertExpectedInline("\n".join(f"{k}: {v}" for k, v in notes.items()), """\
+window: the mask (mask) stays a bias: a sliding window of 3 keys, narrower than the 6 queries (memopt.flash_attention has no banded mask)
+window, sdpa: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask stays: a sliding window of 3 keys, narrower than the 6 queries (memopt.flash_attention has no banded mask))
+union: the mask (mask) stays a bias: the mask is a union of conditions (or_masks), not an intersection
+union, sdpa: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask stays: the mask is a union of conditions (or_masks), not an intersection)
+fp16: the mask (to_2) stays a bias: its fill -65504 does not absorb the scores (a fill <= -1e+30 does)""")
 
 def _hf(name: str):
     common = dict(vocab_size=384, attn_implementation="eager")
@@ -306,8 +512,8 @@ def _hf(name: str):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "padding", "mask_kind"),
-    [("gpt2", False, "causal (flag)"), ("llama", False, "causal (flag)"), ("llama", True, "additive bias"),
-     ("bert", True, "additive bias"), ("qwen2", False, "causal (flag)"), ("mistral", False, "additive bias")],
+    [("gpt2", False, "causal (flag)"), ("llama", False, "causal (flag)"), ("llama", True, "causal (flag) + key padding"),
+     ("bert", True, "key padding"), ("qwen2", False, "causal (flag)"), ("mistral", False, "additive bias")],
 )
 def test_hf_eager_attention_rewritten_in_every_layer(name, padding, mask_kind):
     """HF models with eager attention: every layer's attention is rewritten; loss and gradients equal eager."""

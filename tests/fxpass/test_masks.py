@@ -1,0 +1,128 @@
+"""``fxpass.masks``: what a boolean mask keeps, proved from the graph Dynamo captured (or why it cannot be)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from transformers import masking_utils
+
+from fxpass import masks
+
+B, T = 2, 6
+
+
+def _mask_node(fn, *args) -> tuple[fx.Node, masks.RealValue]:
+    """The node ``fn`` returns, in the graph Dynamo captures, and a reader of its placeholders' real values."""
+    captured: list[tuple[fx.GraphModule, list]] = []
+
+    def backend(gm, example_inputs):
+        captured.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    ((gm, inputs),) = captured
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return output.args[0][0], lambda node: inputs[placeholders.index(node)] if node in placeholders else None
+
+
+def _kept(fn, *args, complement: bool = False) -> masks.Structure | str:
+    node, real = _mask_node(fn, *args)
+    return masks.kept(node, real, complement=complement)
+
+
+def _padding() -> torch.Tensor:
+    pad = torch.ones(B, T, dtype=torch.bool)
+    pad[1, :2] = False
+    return pad
+
+
+def _hf(mask_function, pad):
+    """transformers' own construction (masking_utils.sdpa_mask, as the models call it under torch.compile)."""
+    return masking_utils.sdpa_mask(
+        batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=pad,
+        allow_is_causal_skip=False,
+    )
+
+
+def _key_names(structure: masks.Structure) -> list[tuple[str, bool]]:
+    return [(atom.node.op, atom.positive) for atom in structure.keys]
+
+
+def test_transformers_causal_and_padding():
+    structure = _kept(lambda pad: _hf(masking_utils.causal_mask_function, pad), _padding())
+    assert isinstance(structure, masks.Structure), structure
+    assert structure.causal and structure.window is None
+    assert len(structure.keys) == 1 and structure.keys[0].positive
+    assert structure.keys[0].node.meta["example_value"].shape == (B, 1, 1, T)  # padding_mask[b_idx, kv_idx]
+
+
+def test_transformers_bidirectional_padding_is_keys_only():
+    """BERT's mask: ``q_idx >= 0`` holds everywhere, so only the per-key padding remains."""
+    structure = _kept(lambda pad: _hf(masking_utils.bidirectional_mask_function, pad), _padding())
+    assert isinstance(structure, masks.Structure), structure
+    assert not structure.causal and len(structure.keys) == 1
+
+
+def test_transformers_sliding_window():
+    structure = _kept(lambda pad: _hf(masking_utils.sliding_window_causal_mask_function(3), pad), _padding())
+    assert isinstance(structure, masks.Structure), structure
+    assert structure.causal and structure.window == 3 and len(structure.keys) == 1
+
+
+def test_transformers_union_is_not_proved():
+    """or_masks (a causal mask opened up for a prefix): a union, which no flag and key mask can express."""
+    prefix = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv < 2)
+    assert _kept(lambda pad: _hf(prefix, pad), _padding()) == (
+        "the mask is a union of conditions (or_masks), not an intersection"
+    )
+
+
+def test_transformers_packed_sequences_are_not_proved():
+    """Per-pair comparisons of a [B, T] tensor (packed sequences) are not per-key: the mask stays a tensor."""
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]])
+    packed = masking_utils.and_masks(
+        masking_utils.causal_mask_function, masking_utils.packed_sequence_mask_function(ids)
+    )
+    reason = _kept(lambda pad: _hf(packed, pad), _padding())
+    assert isinstance(reason, str) and "not built from" in reason
+
+
+def test_user_padding_mask_hidden_with_masked_fill():
+    """``masked_fill(~pad[:, None, None, :] | future, -inf)``: the complement of what is hidden is kept."""
+
+    def hidden(pad):
+        i = torch.arange(T)
+        return ~pad[:, None, None, :] | (i[None, :] > i[:, None])
+
+    structure = _kept(hidden, _padding(), complement=True)
+    assert isinstance(structure, masks.Structure), structure
+    assert structure.causal and _key_names(structure) == [("call_function", True)]
+
+
+def test_tril_buffer_is_read_from_the_real_input():
+    buffer = torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8)
+    assert _kept(lambda b: b[:, :, :T, :T] == 1, buffer) == masks.Structure(causal=True)
+    assert isinstance(_kept(lambda b: b[:, :, :T, :T] == 1, torch.triu(torch.ones(1, 1, 8, 8))), str)
+
+
+@pytest.mark.parametrize(
+    ("compare", "expected"),
+    [
+        (lambda kv, q: kv <= q, masks.Structure(causal=True)),
+        (lambda kv, q: q >= kv, masks.Structure(causal=True)),
+        (lambda kv, q: kv < q + 1, masks.Structure(causal=True)),
+        (lambda kv, q: (kv <= q) & (kv > q - 2), masks.Structure(causal=True, window=2)),
+        (lambda kv, q: kv <= q + 1, "its diagonal is shifted (keys j <= i + 1), not the causal j <= i"),
+        (lambda kv, q: kv > q - 2, "it keeps keys after the query (j - i > -2) without a causal bound"),
+        (lambda kv, q: (kv <= q) & (kv > q), "it hides every pair (an empty band)"),
+        (lambda kv, q: ~(kv > q), masks.Structure(causal=True)),
+    ],
+)
+def test_position_comparisons(compare, expected):
+    def fn(x):
+        i = torch.arange(x.shape[-1])
+        return compare(i[None, None, None, :], i[None, None, :, None])
+
+    assert _kept(fn, torch.zeros(T)) == expected
