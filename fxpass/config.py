@@ -10,10 +10,14 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
 INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
+DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
 ENV_DISABLE = "MEMOPT_DISABLE"
@@ -23,6 +27,7 @@ ENV_MIN_SAVED = "MEMOPT_MIN_SAVED_BYTES"
 ENV_FORCE = "MEMOPT_FORCE"
 ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
 ENV_CCE_FILTER = "MEMOPT_CCE_FILTER_EPS"
+ENV_ASSUME_DEVICE = "MEMOPT_ASSUME_DEVICE"
 
 
 class ConfigError(ValueError):
@@ -50,6 +55,9 @@ class Config:
         cce_filter_eps: CCE's gradient filter on CUDA: logit-gradient tiles whose every |softmax − target| is
             below it are skipped (faster, approximate gradients). None or 0 keeps gradients exact; "auto" is
             the input dtype's machine epsilon / 32, as Apple's CCE (2⁻¹² for bf16).
+        assume_device: the device whose op implementations the memory models charge ("cuda" or "cpu"); None
+            charges the graph's own device. ``"cuda"`` on a CPU-only machine shows what a GPU run would decide;
+            the graph still runs on its own device.
     """
 
     inner_compiler: str = "inductor"
@@ -62,6 +70,7 @@ class Config:
     wta_crs_min_tokens: int = 256
     wta_crs_winners: bool = True
     cce_filter_eps: float | str | None = None
+    assume_device: str | None = None
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
@@ -78,6 +87,8 @@ class Config:
             _check_type("cce_filter_eps", self.cce_filter_eps, (int, float))
             if isinstance(self.cce_filter_eps, bool) or not 0 <= self.cce_filter_eps < 1:
                 raise ConfigError(f"cce_filter_eps must be in [0, 1) or 'auto', got {self.cce_filter_eps!r}")
+        if self.assume_device is not None and self.assume_device not in DEVICE_TYPES:
+            raise ConfigError(f"assume_device must be one of {DEVICE_TYPES} or None, got {self.assume_device!r}")
         if not all(isinstance(name, str) for name in self.disable):
             raise ConfigError(f"disable must name rules, got {sorted(map(repr, self.disable))}")
         if self.inner_compiler not in INNER_COMPILERS:
@@ -98,6 +109,10 @@ class Config:
 
             return torch.finfo(dtype).eps / 32
         return float(self.cce_filter_eps or 0.0)
+
+    def memory_device(self, actual: torch.device) -> torch.device:
+        """The device whose implementation a memory model charges for a tensor on ``actual``."""
+        return assumed_device(actual, self.assume_device)
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:
@@ -145,6 +160,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             values["cce_filter_eps"] = text if text == "auto" else float(text)
         except ValueError as e:
             raise ConfigError(f"{ENV_CCE_FILTER} must be a number or 'auto', got {text!r}") from e
+    if env.get(ENV_ASSUME_DEVICE):
+        device = env[ENV_ASSUME_DEVICE].strip().lower()
+        if device not in DEVICE_TYPES:
+            raise ConfigError(f"{ENV_ASSUME_DEVICE} must be one of {DEVICE_TYPES}, got {env[ENV_ASSUME_DEVICE]!r}")
+        values["assume_device"] = device
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):
@@ -153,6 +173,13 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         except ValueError as e:
             raise ConfigError(f"{ENV_MIN_SAVED} must be an integer, got {env[ENV_MIN_SAVED]!r}") from e
     return values
+
+
+def assumed_device(actual: torch.device, assume: str | None) -> torch.device:
+    """``actual``, or the device of type ``assume`` when one is assumed."""
+    import torch
+
+    return actual if assume is None else torch.device(assume)
 
 
 def _parse_bool(name: str, text: str) -> bool:

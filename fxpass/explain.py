@@ -1,7 +1,9 @@
 """``fxpass.explain``: what memopt would rewrite in a function, without running Inductor.
 
 In the spirit of ``torch._dynamo.explain``: the function runs once under ``torch.compile`` with memopt's
-rewrites and an eager inner compiler, and the reports and rewritten graphs come back.
+rewrites and an eager inner compiler, and the reports and rewritten graphs come back. ``assume_device="cuda"``
+answers for a GPU from a CPU-only machine: the memory models charge the CUDA implementations while the function
+runs where its tensors are.
 """
 
 from __future__ import annotations
@@ -43,16 +45,20 @@ def explain(
     options: Mapping[str, Any] | None = None,
     dynamic: bool | None = None,
     fullgraph: bool = False,
+    assume_device: str | None = None,
     **kwargs: Any,
 ) -> Explanation:
     """Run ``fn(*args, **kwargs)`` once under memopt's rewrites and return what was decided.
 
     ``options`` are memopt options (as for ``torch.compile``); the inner compiler is forced to "eager".
+    ``assume_device`` ("cuda" or "cpu") is the ``assume_device`` option: decide as that device's
+    implementations would, whatever device the tensors are on.
     """
     graphs: list[GraphReport] = []
-    backend = MemoptBackend(
-        options={**(options or {}), "inner_compiler": "eager"}, sink=graphs.append, keep_code=True
-    )
+    options = {**(options or {}), "inner_compiler": "eager"}
+    if assume_device is not None:
+        options["assume_device"] = assume_device
+    backend = MemoptBackend(options=options, sink=graphs.append, keep_code=True)
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     result = compiled(*args, **kwargs)
     return Explanation(graphs, result)

@@ -53,7 +53,7 @@ def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config, example_inputs: Se
     try:
         for candidate in rule.match(GraphFacts(gm, example_inputs)):
             decision = rule.decide(candidate, config)
-            records.append(_record(rule.name, candidate, decision))
+            records.append(_record(rule.name, candidate, decision, config))
             if decision.apply:
                 rule.apply(gm, candidate, config)
         gm.graph.lint()
@@ -76,8 +76,11 @@ def undone(record: RewriteRecord, reason: str) -> RewriteRecord:
     return dataclasses.replace(record, applied=False, reason=reason)
 
 
-def _record(rule: str, candidate, decision: Decision) -> RewriteRecord:
+def _record(rule: str, candidate, decision: Decision, config: Config) -> RewriteRecord:
     memory, verdict = decision.memory, decision.verdict
+    params = dict(candidate.params())
+    if config.assume_device is not None:  # the decision was taken for that device's implementation
+        params["assume_device"] = config.assume_device
     return RewriteRecord(
         rule=rule,
         applied=decision.apply,
@@ -87,7 +90,7 @@ def _record(rule: str, candidate, decision: Decision) -> RewriteRecord:
         saved_bytes=shapes.render(memory.saved) if memory is not None else None,
         saved_bytes_hint=verdict.saved_hint if verdict is not None else None,
         proof=verdict.proof if verdict is not None else None,
-        params=dict(candidate.params()),
+        params=params,
         memory=memory.describe() if memory is not None else None,
     )
 

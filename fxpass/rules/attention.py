@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxpass import masks, shapes
-from fxpass.config import Config
+from fxpass.config import Config, assumed_device
 from fxpass.graph import (
     MATMUL_TARGETS,
     GraphFacts,
@@ -667,7 +667,7 @@ def _heads_divide(q: torch.Tensor, k: torch.Tensor) -> bool:
 def decide(candidate: AttentionMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
-    return decide_on_saving(memory_model(candidate), config, _what(candidate))
+    return decide_on_saving(memory_model(candidate, config.assume_device), config, _what(candidate))
 
 
 def _what(candidate: AttentionMatch) -> str:
@@ -685,12 +685,12 @@ def _what(candidate: AttentionMatch) -> str:
     return what + (f"; {candidate.mask_note}" if candidate.mask_note else "")
 
 
-def memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
+def memory_model(candidate: AttentionMatch, assume_device: str | None = None) -> shapes.MemoryModel:
     """What softmax and the two matmuls keep for backward, against the flash op's log-sum-exp."""
     from lowerings.flash_attention.op import working_set
 
     if _is_sdpa(candidate.softmax):
-        return _sdpa_memory_model(candidate)
+        return _sdpa_memory_model(candidate, assume_device)
 
     probs = tensor_value(candidate.softmax)
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
@@ -705,7 +705,10 @@ def memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
         before[f"transient: the causal mask {mask.name}, no longer built"] = shapes.nbytes(tensor_value(mask))
     batch = 1 if candidate.three_d else q.shape[0]
     heads = q.shape[0] if candidate.three_d else q.shape[1]
-    after = working_set(batch, heads, q.shape[-2], k.shape[-2], q.device)
+    device = assumed_device(q.device, assume_device)
+    after = working_set(
+        batch, heads, q.shape[-2], k.shape[-2], device, dtype=q.dtype, head_dim=q.shape[-1], kv_heads=k.shape[-3]
+    )
     after.update(_key_mask_terms(candidate))
     if len(candidate.biases) + (candidate.bias_from_mask is not None) > 1:
         after["transient: the additive terms summed into one bias (at most [B, H, Tq, Tk])"] = scores * q.dtype.itemsize
@@ -854,7 +857,7 @@ def _repeat_heads(add, node: fx.Node, groups: int) -> fx.Node:
     return node if groups == 1 else add("call_method", "repeat_interleave", node, groups, 1)
 
 
-def _sdpa_memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
+def _sdpa_memory_model(candidate: AttentionMatch, assume_device: str | None = None) -> shapes.MemoryModel:
     """SDPA keeps O(T) either way; what the rewrite frees is the T×T mask, if only attention reads it (the
     layers of a model share one mask: each is charged all of it, since all of them are rewritten alike)."""
     from lowerings.flash_attention.op import working_set
@@ -866,7 +869,9 @@ def _sdpa_memory_model(candidate: AttentionMatch) -> shapes.MemoryModel:
               if only_here else 0}
     if candidate.sdpa_mask is not None:  # SDPA stays: its own working set is the same before and after
         return shapes.MemoryModel(before, _key_mask_terms(candidate))
-    return shapes.MemoryModel(before, working_set(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], q.device))
+    device = assumed_device(q.device, assume_device)
+    after = working_set(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], device, dtype=q.dtype, head_dim=q.shape[-1])
+    return shapes.MemoryModel(before, after)
 
 
 def _read_only_by_attention(mask: fx.Node) -> bool:

@@ -58,9 +58,16 @@ def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision
         reason = f"{what}; frees {format_bytes(verdict.saved_hint)} {how}"
     elif config.force:
         reason = f"{what}; forced (force=True) although the saving is {format_bytes(verdict.saved_hint)} {how}"
-        return Decision(True, reason, memory, verdict)
+        return Decision(True, reason + _assumption(config), memory, verdict)
     else:
         reason = (
             f"saving {format_bytes(verdict.saved_hint)} is below min_saved_bytes={config.min_saved_bytes} {how}"
         )
-    return Decision(verdict.pays, reason, memory, verdict)
+    return Decision(verdict.pays, reason + _assumption(config), memory, verdict)
+
+
+def _assumption(config: Config) -> str:
+    """Says which device's implementation the memory model charged, when it is not the graph's own."""
+    if config.assume_device is None:
+        return ""
+    return f" (memory model of the {config.assume_device} implementation: assume_device={config.assume_device!r})"

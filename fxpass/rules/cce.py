@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fxpass import shapes
-from fxpass.config import Config
+from fxpass.config import Config, assumed_device
 from fxpass.graph import (
     ADDMM_TARGETS,
     CROSS_ENTROPY_TARGETS,
@@ -485,10 +485,10 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
         if candidate.returns_logits
         else "logits never materialized"
     )
-    return decide_on_saving(memory_model(candidate), config, what)
+    return decide_on_saving(memory_model(candidate, config.assume_device), config, what)
 
 
-def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
+def memory_model(candidate: CceMatch, assume_device: str | None = None) -> shapes.MemoryModel:
     """Bytes the loss keeps alive as written (saved log-probabilities and logits-sized temporaries)."""
     from lowerings.cce.op import working_set
 
@@ -511,7 +511,7 @@ def memory_model(candidate: CceMatch) -> shapes.MemoryModel:
             forward, backward
         ),
     }
-    after = working_set(rows, vocab, dim, dtype, hidden.device)
+    after = working_set(rows, vocab, dim, dtype, assumed_device(hidden.device, assume_device))
     if candidate.returns_logits:
         for terms in (before, after):
             terms["returned: the logits [N, V], alive while the caller keeps them"] = returned

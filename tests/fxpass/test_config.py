@@ -46,7 +46,7 @@ class TestDefaults:
     def test_option_names(self):
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
-            "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps",
+            "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps", "assume_device",
         }
 
 
@@ -130,6 +130,14 @@ class TestEnvironment:
     def test_cce_filter_eps_invalid(self, text):
         with pytest.raises(ConfigError, match=r"cce_filter_eps|MEMOPT_CCE_FILTER_EPS"):
             Config.from_options(env={"MEMOPT_CCE_FILTER_EPS": text})
+
+    @pytest.mark.parametrize(("text", "expected"), [("cuda", "cuda"), (" CPU ", "cpu")])
+    def test_assume_device(self, text, expected):
+        assert Config.from_options({}, env={"MEMOPT_ASSUME_DEVICE": text}).assume_device == expected
+
+    def test_assume_device_invalid(self):
+        with pytest.raises(ConfigError, match="MEMOPT_ASSUME_DEVICE must be one of"):
+            Config.from_options({}, env={"MEMOPT_ASSUME_DEVICE": "tpu"})
 
 
 class TestOptions:
@@ -218,6 +226,20 @@ class TestOptions:
         """Untyped option dicts get a ConfigError naming the option, not a TypeError later on."""
         with pytest.raises(ConfigError, match=message):
             Config.from_options({key: value}, env={})
+
+    def test_assume_device(self):
+        """The device whose implementations the memory models charge: the graph's own unless one is assumed."""
+        cpu, cuda = torch.device("cpu"), torch.device("cuda")
+        assert Config().assume_device is None
+        assert Config().memory_device(cpu) == cpu
+        assumed = Config.from_options({"assume_device": "cuda"}, env={"MEMOPT_ASSUME_DEVICE": "cpu"})
+        assert assumed.memory_device(cpu) == cuda  # the option wins over the environment
+        assert Config(assume_device="cpu").memory_device(cuda) == cpu
+
+    @pytest.mark.parametrize("value", ["gpu", "cuda:0", 1])
+    def test_assume_device_invalid(self, value):
+        with pytest.raises(ConfigError, match="assume_device must be one of"):
+            Config.from_options({"assume_device": value}, env={})
 
     def test_path_debug_dir(self, tmp_path):
         assert Config.from_options({"debug_dir": tmp_path}, env={}).debug_dir == str(tmp_path)
