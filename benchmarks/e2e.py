@@ -1,0 +1,252 @@
+"""End to end: a training step of an HF model under plain ``torch.compile`` and under memopt, side by side.
+
+    python benchmarks/e2e.py --models gpt2,llama-1b --flows loss_only,whole_model,padded --out $OUT/e2e
+
+Each case compiles the same model (built from a config, no download) the way users do, once per backend,
+in one process, and measures one forward + backward (no optimizer; fp32 weights under bf16 autocast by
+default, bf16 weights with ``--precision bf16``): the median step time after warm-up,
+tokens/s, the peak memory above what was allocated before the step (weights and their gradients from the
+previous step) and the first call's time (compilation included). The table puts memopt beside
+torch.compile with the ratios memopt / torch.compile.
+
+Flows:
+- ``loss_only``: ``torch.compile(lambda ids, labels: model(...).loss)``, the step that returns only the loss;
+- ``whole_model``: ``torch.compile(model)``, then ``loss = out.loss`` with the output (logits) dropped;
+- ``padded``: the whole model with a tokenizer-style right-padded ``attention_mask`` (every sequence but the
+  first ends in 1/8 or 1/4 padding, labelled -100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks._common import cuda_peak, error_note, header, release_memory, write_report
+
+MODELS = ("gpt2", "llama-1b")
+FLOWS = ("loss_only", "whole_model", "padded")
+BACKENDS = ("torch.compile", "memopt")
+
+
+@dataclasses.dataclass
+class Row:
+    model: str
+    attention: str
+    dropout: str
+    flow: str
+    backend: str
+    tokens: int
+    step_ms: float | None = None
+    peak_mib: float | None = None
+    first_call_s: float | None = None
+    rewrites: str = ""
+    error: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.step_ms is None else self.tokens / self.step_ms * 1e3
+
+
+def build_model(name: str, attention: str, dropout: str, tiny: bool):
+    """An HF causal LM from its config: GPT-2 small, or Llama-3.2-1B's shape (vocabulary 128256, GQA 32/8).
+
+    ``dropout="config"`` keeps the config's own dropout (GPT-2: 0.1 everywhere), ``"0"`` turns it off."""
+    import transformers
+
+    if name == "gpt2":
+        sizes = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=128) if tiny else {}
+        config = transformers.GPT2Config(**sizes)
+        if dropout == "0":
+            config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
+        model_class = transformers.GPT2LMHeadModel
+    elif name == "llama-1b":
+        sizes = (
+            dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512)
+            if tiny
+            else dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256)
+        )
+        config = transformers.LlamaConfig(
+            **sizes, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0,
+            attention_dropout=0.0 if dropout == "0" else 0.1,
+        )
+        model_class = transformers.LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    config._attn_implementation = attention
+    model = model_class(config)
+    model.loss_type = "ForCausalLM"  # without it, transformers' loss_type warning breaks the graph
+    return model.train()
+
+
+def make_batch(vocab: int, batch: int, seq: int, padded: bool, device: torch.device, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, seq), generator=generator)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    if padded:
+        for row in range(1, batch):
+            mask[row, seq - seq // 4 * (1 + row % 2) // 2 :] = 0  # right padding of 1/8 or 1/4 of the row
+    labels = torch.where(mask.bool(), ids, -100)
+    return ids.to(device), labels.to(device), (mask.to(device) if padded else None)
+
+
+def compiled_step(model, flow: str, backend: str, inner: str, options: dict | None = None) -> Callable:
+    """The step as users write it for ``flow``, compiled by ``backend`` ("torch.compile" or "memopt")."""
+    if backend == "memopt":
+        from fxpass import MemoptBackend
+
+        compile_backend = MemoptBackend(options={"inner_compiler": inner, **(options or {})})
+    else:
+        compile_backend = inner
+    if flow == "loss_only":
+        loss_of = torch.compile(
+            lambda ids, labels, mask: model(input_ids=ids, labels=labels, attention_mask=mask).loss,
+            backend=compile_backend,
+        )
+        return loss_of
+    whole = torch.compile(model, backend=compile_backend)
+    return lambda ids, labels, mask: whole(input_ids=ids, labels=labels, attention_mask=mask).loss
+
+
+def measure(row: Row, model, step: Callable, batch, steps: int, device: torch.device, autocast: bool) -> Row:
+    import fxpass
+
+    def one_step():
+        model.zero_grad(set_to_none=False)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = step(*batch)
+        loss.backward()
+        return loss
+
+    fxpass.clear_reports()
+    start = time.perf_counter()
+    one_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    row.first_call_s = time.perf_counter() - start
+    final = {report.graph_id: report for report in fxpass.reports()}.values()
+    applied = [record.rule for report in final for record in report.records if record.applied]
+    row.rewrites = ", ".join(f"{rule}×{applied.count(rule)}" for rule in sorted(set(applied)))
+    one_step()  # gradients exist from here on, so every measured step starts from the same state
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            one_step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            begin_s = time.perf_counter()
+            one_step()
+            times.append((time.perf_counter() - begin_s) * 1e3)
+    row.step_ms = statistics.median(times)
+    if device.type == "cuda":
+        _, peak, before = cuda_peak(one_step)
+        row.peak_mib = (peak - before) / 2**20
+    return row
+
+
+def run_case(name, attention, dropout, flow, backend, args, device) -> Row:
+    torch.manual_seed(0)
+    model = build_model(name, attention, dropout, args.tiny).to(device)
+    if args.precision == "bf16":
+        model = model.to(torch.bfloat16)
+    seq = args.seq or (2048 if name == "llama-1b" else 1024)
+    size = args.batch or (4 if name == "llama-1b" else 16)
+    if args.tiny:
+        seq, size = min(seq, 64), min(size, 2)
+    batch = make_batch(model.config.vocab_size, size, seq, flow == "padded", device)
+    row = Row(name, attention, dropout, flow, backend, tokens=size * seq)
+    try:
+        step = compiled_step(model, flow, backend, args.inner, json.loads(args.memopt_options))
+        measure(row, model, step, batch, args.steps, device, args.precision == "autocast")
+    except Exception as error:  # one failing case must not end the table
+        row.error = error_note(error)
+    finally:
+        del model
+        release_memory()
+    return row
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return "-" if ours is None or not theirs else f"{ours / theirs:.2f}"
+
+
+def table(rows: list[Row]) -> str:
+    """One line per case: torch.compile's and memopt's figures, and memopt / torch.compile."""
+    lines = [
+        "| model | attention | dropout | flow | tokens | torch.compile ms | memopt ms | time ratio | "
+        "torch.compile tok/s | memopt tok/s | torch.compile peak MiB | memopt peak MiB | peak ratio | "
+        "first call s (tc / memopt) | memopt rewrites |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cases: dict[tuple, dict[str, Row]] = {}
+    for row in rows:
+        cases.setdefault((row.model, row.attention, row.dropout, row.flow), {})[row.backend] = row
+    fmt = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
+    for (model, attention, dropout, flow), pair in cases.items():
+        base, ours = pair.get("torch.compile"), pair.get("memopt")
+        get = lambda row, field: None if row is None else getattr(row, field)  # noqa: E731
+        errors = "; ".join(f"{r.backend}: {r.error}" for r in pair.values() if r.error)
+        lines.append(
+            f"| {model} | {attention} | {dropout} | {flow} | {next(iter(pair.values())).tokens} | "
+            f"{fmt(get(base, 'step_ms'), '.1f')} | {fmt(get(ours, 'step_ms'), '.1f')} | "
+            f"{_ratio(get(ours, 'step_ms'), get(base, 'step_ms'))} | "
+            f"{fmt(get(base, 'tokens_per_s'), '.0f')} | {fmt(get(ours, 'tokens_per_s'), '.0f')} | "
+            f"{fmt(get(base, 'peak_mib'), '.0f')} | {fmt(get(ours, 'peak_mib'), '.0f')} | "
+            f"{_ratio(get(ours, 'peak_mib'), get(base, 'peak_mib'))} | "
+            f"{fmt(get(base, 'first_call_s'), '.0f')} / {fmt(get(ours, 'first_call_s'), '.0f')} | "
+            f"{get(ours, 'rewrites') or '-'}{' — ' + errors if errors else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--flows", default=",".join(FLOWS))
+    parser.add_argument("--attention", default="sdpa", help="HF attn_implementation(s), comma-separated")
+    parser.add_argument("--dropout", default="config", help='"config" (HF defaults), "0", or both comma-separated')
+    parser.add_argument("--batch", type=int, default=None, help="default: 16 (GPT-2) or 4 (Llama)")
+    parser.add_argument("--seq", type=int, default=None, help="default: 1024 (GPT-2) or 2048 (Llama)")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16", "fp32"],
+                        help="autocast: fp32 weights under bf16 autocast (fine-tuning's setup); bf16: bf16 weights")
+    parser.add_argument("--inner", default="inductor", help="compiler of both sides (aot_eager for a quick check)")
+    parser.add_argument("--memopt-options", default="{}", help='memopt options as JSON, e.g. \'{"force": true}\'')
+    parser.add_argument("--tiny", action="store_true", help="small models: check the script, not the numbers")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    progress = args.out / "e2e.jsonl"  # one line per case as it ends, so a run cut short keeps what it measured
+    for name in args.models.split(","):
+        for attention in args.attention.split(","):
+            for dropout in args.dropout.split(","):
+                for flow in args.flows.split(","):
+                    for backend in BACKENDS:
+                        rows.append(run_case(name, attention, dropout, flow, backend, args, device))
+                        line = json.dumps(dataclasses.asdict(rows[-1]))
+                        print(line, flush=True)
+                        with progress.open("a") as log:
+                            log.write(line + "\n")
+    title = header(f"End-to-end training step, torch.compile vs memopt ({args.precision})", device)
+    write_report(args.out, "e2e.md", f"{title}\n\n{table(rows)}")
+    (args.out / "e2e.json").write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
