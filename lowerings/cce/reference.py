@@ -88,14 +88,12 @@ def _chunk_logits(
 ) -> torch.Tensor:
     """``out`` ← hidden @ weightᵀ (+ bias) in the compute dtype; ``bias`` is already in it.
 
-    16-bit products are rounded to their dtype first, as the eager classifier rounds them."""
+    16-bit logits are rounded to their dtype once, bias included, as the eager classifier (and the forward of
+    ``cce_with_logits``, which takes its loss from them) rounds them."""
     if hidden.dtype == out.dtype and weight.dtype == out.dtype:
         torch.mm(hidden, weight.t(), out=out)
-    else:
-        out.copy_(hidden @ weight.t())
-    if bias is not None:
-        out.add_(bias)
-    return out
+        return out if bias is None else out.add_(bias)
+    return out.copy_(torch.nn.functional.linear(hidden, weight, None if bias is None else bias.to(hidden.dtype)))
 
 
 def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
