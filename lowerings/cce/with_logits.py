@@ -15,7 +15,8 @@ to each chunk before the two GEMMs. When the logits were not used, autograd hand
 gradient for every differentiable output); the sum is then exact and costs one read, never a GEMM.
 
 CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
-logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks.
+logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
+of the reference's size, in place, so ``working_set`` charges both ops alike.
 """
 
 from __future__ import annotations
@@ -43,18 +44,39 @@ def row_terms(
     return torch.where(valid, loss, 0.0), lse
 
 
+def _row_terms_in_place(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``row_terms`` with one buffer: the fp32 copy of the rows becomes their exponentials in place."""
+    z = logits.to(reference.compute_dtype(logits.dtype), copy=True)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    valid = reference.valid_rows(targets, ignore_index)
+    target_logit = z.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    mean = z.mean(dim=-1) if label_smoothing else None
+    row_max = z.amax(dim=-1, keepdim=True)
+    lse = z.sub_(row_max).exp_().sum(dim=-1).log_().add_(row_max.squeeze(1))
+    loss = (1.0 - label_smoothing) * (lse - target_logit)
+    if mean is not None:
+        loss = loss + label_smoothing * (lse - mean)
+    return torch.where(valid, loss, 0.0), lse
+
+
 @reference_op("cce_rows_from_logits")
 def cce_rows_from_logits(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``row_terms`` over row chunks, so that the fp32 copy never exceeds one chunk."""
-    reference.check_targets(targets, logits.shape[1], ignore_index)
-    losses = logits.new_empty(logits.shape[0], dtype=reference.compute_dtype(logits.dtype))
+    """The loss terms over row chunks sized as the reference's (``reference.chunk_rows``), one buffer each."""
+    n_rows, vocab = logits.shape
+    reference.check_targets(targets, vocab, ignore_index)
+    losses = logits.new_empty(n_rows, dtype=reference.compute_dtype(logits.dtype))
     lse = torch.empty_like(losses)
-    step = reference.chunk_rows(logits.shape[1])
-    for start in range(0, logits.shape[0], step):
+    step = reference.chunk_rows(vocab, n_rows, 0, logits.dtype, softcap=softcap is not None)
+    for start in range(0, n_rows, step):
         rows = slice(start, start + step)
-        losses[rows], lse[rows] = row_terms(logits[rows], targets[rows], ignore_index, label_smoothing, softcap)
+        losses[rows], lse[rows] = _row_terms_in_place(
+            logits[rows], targets[rows], ignore_index, label_smoothing, softcap
+        )
     return losses, lse
 
 
