@@ -179,8 +179,7 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
     head_dim = shapes.constant(values[0].shape[-1]) if values[0] is not None else None
     if any(t is None or t.dim() != 4 for t in values) or head_dim is None:
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (not 4-D q, k, v with a static head dim)")
-    if not isinstance(bound["dropout_p"], float | int) or not isinstance(bound["scale"], float | int | None):
-        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (dropout or scale is not a constant)")
+    constants = isinstance(bound["dropout_p"], float | int) and isinstance(bound["scale"], float | int | None)
     if not bound["enable_gqa"] and not statically_known_true(values[0].shape[1] == values[1].shape[1]):
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (query and key heads differ without enable_gqa)")
     if _per_key_shaped(tensor_value(mask)):
@@ -188,15 +187,19 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
     structure, empty_rows, fill = _sdpa_mask_structure(mask, values[0], values[1], facts.real_value)
     if isinstance(structure, str):
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (its mask stays: {structure})")
+    unknown = float("nan")  # a SymFloat (dynamic=True lifts module floats to inputs): SDPA keeps reading it
     fields: dict[str, Any] = dict(
-        chain=(node,), output=node, q=q, k=k, v=v, causal=structure.causal, dropout_p=float(bound["dropout_p"]),
-        scale=float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5, mask_nodes=(mask,),
+        chain=(node,), output=node, q=q, k=k, v=v, causal=structure.causal, mask_nodes=(mask,),
+        dropout_p=float(bound["dropout_p"]) if constants else unknown,
+        scale=(float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5) if constants else unknown,
         key_masks=structure.keys, empty_rows=empty_rows, sdpa_fill=fill,
     )
     if not structure.keys:
         fields["sdpa_mask"] = "is_causal" if structure.causal else "none"
     elif not structure.causal:
         fields["sdpa_mask"] = "keys"
+    elif not constants:
+        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (dropout or scale is not a constant)")
     else:
         fields.update(k=_unrepeated(k), v=_unrepeated(v))
     candidate = AttentionMatch(node, **fields)
