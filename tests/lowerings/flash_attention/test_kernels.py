@@ -144,6 +144,31 @@ def test_fully_masked_rows(causal):
     assert all(torch.isfinite(g).all() for g in grads)
 
 
+def test_left_padding_key_bias_broadcast_over_queries():
+    """The graph rewrite's key padding: a [B, 1, 1, Tk] 0 / -inf bias read with stride 0 over heads and queries,
+    beside the causal flag. Left padding longer than a key block leaves the first rows without keys (out 0,
+    lse -inf, no gradient), a sequence of padding leaves all; the op (CPU reference or kernels) agrees."""
+    b, hq, hk, t, d = 3, 4, 2, 37, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, t, t, d, seed=3)
+    keys = torch.zeros(b, 1, 1, t)
+    keys[1, ..., :20] = NEG_INF  # left padding over the first key block and into the second
+    keys[2] = NEG_INF  # a sequence of padding
+    keys = keys.to(DEVICE)
+    bias = keys.expand(b, hq, t, t)
+    assert bias.stride()[1:3] == (0, 0)
+    ours = _run(q, k, v, bias, grad_out, d**-0.5, True)
+    _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, d**-0.5, True))
+    out, lse, grads = ours
+    assert torch.all(out[1, :, :20] == 0) and torch.all(torch.isneginf(lse[1, :, :20]))
+    assert torch.all(out[2] == 0) and torch.isfinite(lse[1, :, 20:]).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    op_out, op_lse, _ = torch.ops.memopt.flash_attention(*leaves, keys, d**-0.5, True, 0.0)
+    op_grads = torch.autograd.grad(op_out, leaves, grad_out)
+    _assert_fp32_close((op_out, op_lse, op_grads), _reference(q, k, v, bias, grad_out, d**-0.5, True))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_no_worse_than_eager(dtype):
     """|ours − fp64| ≤ 2·|eager same dtype − fp64| + floor for out, lse and every gradient (the FA2 test rule)."""
