@@ -6,13 +6,15 @@
 
 The text is the running Python's standard library (the demo's data). With ``--model`` the checkpoint's own
 tokenizer encodes it; without, the demo's word tokenizer does and a GPT-2 is built from a config with that
-vocabulary (random init). Attention runs HF's "eager" implementation, the code memopt rewrites into its flash
-kernel; the loss is HF's causal-LM loss, which memopt rewrites into cut cross-entropy. A copy of the model
-trains the same steps under plain ``torch.compile`` so both can be compared: memopt's decisions, the bytes
-autograd saves for backward (and, on CUDA, the peak), the losses.
-
-The compiled function returns only the loss: returning the logits would keep them alive, and memopt would
-decline (and say so).
+vocabulary (random init). The whole model is compiled in place, as for HF's ``Trainer``:
+``fxpass.integrations.transformers.compile_model(model)`` (memopt; it also sets a ``loss_type`` transformers
+recognises, whose absence would break the graph) and ``model.compile()`` (plain ``torch.compile``). A step is
+``model(input_ids=ids, labels=ids).loss``; the output's logits are dropped. Attention runs HF's "eager"
+implementation, the code memopt rewrites into its flash kernel; the loss is HF's causal-LM loss, which memopt
+rewrites into cut cross-entropy with the logits returned beside it (``memopt.cce_with_logits``: computed
+once, never saved for backward). A copy of the model trains the same steps under plain ``torch.compile`` so
+both can be compared: memopt's decisions, the bytes autograd saves for backward (and, on CUDA, the peak), the
+losses.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import fxpass
 from examples.train_gpt import Run, build_dataset, get_batch, measure_memory, stdlib_sources, warm_up
+from fxpass.integrations.transformers import compile_model, missing_loss_type
 from fxpass.shapes import format_bytes
 
 log = logging.getLogger("finetune_hf")
@@ -74,15 +77,32 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.Tensor]:
         torch.manual_seed(args.seed)
         model = transformers.GPT2LMHeadModel(config)
         tokens = data.train
-    model.loss_type = "ForCausalLM"  # transformers warns (and Dynamo breaks the graph) when it is unset
     return model, tokens
 
 
-def train(name: str, model, backend, tokens, args, device) -> dict[str, Any]:
-    """Compile the loss with ``backend``, train ``--steps`` steps with the demo's ``Run`` (AdamW, gradients
-    clipped at 1.0); losses, saved bytes, CUDA peak, time per step."""
+def compile_in_place(name: str, model: torch.nn.Module, options: dict[str, Any] | None) -> None:
+    """memopt: ``compile_model`` (which sets ``loss_type`` where transformers knows none); plain
+    ``torch.compile``: ``model.compile()``, with the same ``loss_type``, so both runs compute the same loss
+    in one graph."""
+    if name == "memopt":
+        compile_model(model, options=options)
+        return
+    loss_type = missing_loss_type(model)
+    if loss_type is not None:
+        model.loss_type = loss_type
+    model.compile()
+
+
+def train(name: str, model, options, tokens, args, device) -> dict[str, Any]:
+    """Compile the whole model in place (memopt with ``options``, or plain ``torch.compile``), train
+    ``--steps`` steps with the demo's ``Run`` (AdamW, gradients clipped at 1.0); losses, saved bytes, CUDA
+    peak, time per step."""
     model = model.to(device).train()
-    step = torch.compile(lambda ids, _: model(input_ids=ids, labels=ids).loss, backend=backend)  # HF shifts
+    compile_in_place(name, model, options)
+
+    def step(ids: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, labels=ids).loss  # HF shifts the labels; the output's logits are dropped
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     run = Run(name, model, step, optimizer)
     batches = torch.Generator().manual_seed(args.seed)
@@ -106,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     options = {} if args.wta_budget is None else {"wta_crs_budget": args.wta_budget}
     fxpass.clear_reports()
     baseline_model = copy.deepcopy(model)
-    results = {"memopt": train("memopt", model, fxpass.MemoptBackend(options=options), tokens, args, device)}
+    results = {"memopt": train("memopt", model, options, tokens, args, device)}
     reports = list({report.graph_id: report for report in fxpass.reports()}.values())  # the last of recompiles
-    results["torch.compile"] = train("torch.compile", baseline_model, "inductor", tokens, args, device)
+    results["torch.compile"] = train("torch.compile", baseline_model, None, tokens, args, device)
 
     for report in reports:
         print(report.table())

@@ -6,8 +6,11 @@
 
 What it shows:
 
-1. memopt's rewrite report: the nanoGPT loss ``cross_entropy(lm_head(x).view(-1, V), ...)`` becomes
-   ``torch.ops.memopt.cce``, which never materializes the N×V logits (cut cross-entropy), and why.
+1. memopt's rewrite report: the model is compiled as it is (``torch.compile(model, backend="memopt")``) and
+   its forward returns ``(logits, loss)``. The nanoGPT loss ``cross_entropy(lm_head(x).view(-1, V), ...)``
+   becomes ``torch.ops.memopt.cce_with_logits``, which computes the N×V logits once, returns them and saves
+   none of them for backward (cut cross-entropy); the training step drops the logits, so they die at once.
+   The causal attention becomes ``torch.ops.memopt.flash_attention``. The report says why for each.
 2. The memory one training step needs, estimated by memopt and measured: the tensors autograd saves for
    backward (and, on CUDA, the peak allocated), with memopt and with plain ``torch.compile`` (Inductor).
 3. That memopt trains the same: with ``--compare`` (the default) a second copy of the model, from the same
@@ -19,9 +22,6 @@ The data is the running Python's standard library: its ``*.py`` files in a fixed
 fallback for the rest. A vocabulary of 8192 words (32768 on CUDA) makes the LM head's logits the largest
 activation of the model, which is where cut cross-entropy saves memory. No download, nothing beyond torch,
 tqdm and the standard library.
-
-The compiled function returns only the loss: returning the logits too would keep them alive, and memopt
-would (rightly) decline the rewrite.
 """
 
 from __future__ import annotations
@@ -285,11 +285,11 @@ def build_model(args: argparse.Namespace, vocab_size: int, device: torch.device)
     return model
 
 
-def make_step(model: GPT) -> Step:
-    """The function that gets compiled: forward and loss, returning only the loss (never the logits)."""
+def make_step(compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Step:
+    """The training step's forward: the compiled model's loss; the logits it returns beside it are dropped."""
 
     def step(idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        _, loss = model(idx, targets)
+        _, loss = compiled(idx, targets)
         return loss
 
     return step
@@ -297,7 +297,7 @@ def make_step(model: GPT) -> Step:
 
 @dataclasses.dataclass
 class Run:
-    """One model trained under one backend."""
+    """One model trained under one backend: ``step`` runs the compiled model and returns its loss."""
 
     name: str
     model: GPT
@@ -321,9 +321,14 @@ class Run:
 
 
 def make_run(name: str, model: GPT, backend: str | Callable, lr: float) -> Run:
-    """An AdamW run of ``model`` whose step is compiled with ``backend``."""
+    """An AdamW run of ``model`` compiled as it is with ``backend``.
+
+    ``torch.compile(model)`` wraps the module (its parameters are shared); ``model`` itself stays eager, which
+    the evaluation uses.
+    """
+    compiled = torch.compile(model, backend=backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    return Run(name, model, torch.compile(make_step(model), backend=backend), optimizer)
+    return Run(name, model, make_step(compiled), optimizer)
 
 
 def warm_up(run: Run, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -489,7 +494,7 @@ def print_memory(memory: dict[str, dict[str, int]], estimated: int, args: argpar
     print(
         "estimated: what memopt's memory model says the rewrite frees, net of the op's own transient working set "
         "(one chunk of logits and their gradients);\nmeasured: the tensors autograd keeps from forward to backward "
-        "(unique storages), where the logits no longer appear."
+        "(unique storages), where the logits no longer appear: the compiled model returns them and the step drops them."
     )
 
 

@@ -1,5 +1,6 @@
-"""The Hugging Face fine-tuning example at toy sizes: memopt rewrites HF's causal-LM loss, saves less for
-backward than plain torch.compile, and trains to the same losses (WTA-CRS off)."""
+"""The Hugging Face fine-tuning example at toy sizes: the whole model compiled in place, memopt rewrites HF's
+causal-LM loss (the logits returned beside it) and eager attention, saves less for backward than plain
+torch.compile, and trains to the same losses (WTA-CRS off)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ TINY = ["--device", "cpu", "--steps", "2", "--batch-size", "8", "--seq-len", "25
 def test_example_rewrites_the_loss_and_trains_the_same(capsys):
     outcome = finetune_hf.main(TINY)
     printed = capsys.readouterr().out
-    assert "cce" in outcome["applied"], printed
+    assert {"cce", "attention"} <= set(outcome["applied"]), printed
+    records = [record for report in outcome["reports"] for record in report.applied]
+    cce = [record for record in records if record.rule == "cce"]
+    assert len(cce) == 1 and cce[0].params["returns_logits"] is True, printed
+    assert all(record.params["causal"] for record in records if record.rule == "attention"), printed
     ours, theirs = outcome["results"]["memopt"], outcome["results"]["torch.compile"]
     assert ours["saved_bytes"] < theirs["saved_bytes"]
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-4, abs=1e-4)

@@ -22,8 +22,13 @@ def test_demo_rewrites_saves_memory_and_trains_the_same(capsys):
     result = train_gpt.main(TINY)
     printed = capsys.readouterr().out
 
-    cce = [r for graph in result["report"] for r in graph["records"] if r["rule"] == "cce" and r["applied"]]
-    assert cce, printed
+    # The model is compiled as it is: its forward returns (logits, loss), the step drops the logits.
+    applied = [r for graph in result["report"] for r in graph["records"] if r["applied"]]
+    cce = [r for r in applied if r["rule"] == "cce"]
+    assert len(cce) == 1, printed
+    assert cce[0]["params"]["returns_logits"] is True
+    assert any(r["rule"] == "attention" and r["params"]["causal"] for r in applied), printed
+    assert "| cce | yes |" in printed
     assert result["estimated_saved_bytes"] > 0
     assert all(graph["summary"] in printed for graph in result["report"])
 
