@@ -37,6 +37,7 @@ from fxpass.graph import (
     MATMUL_TARGETS,
     GraphFacts,
     bind_args,
+    cast_to,
     describe_node,
     erase_unused,
     fake_mode_of,
@@ -94,6 +95,7 @@ class AttentionMatch:
     # An SDPA call that stays SDPA with an O(B·T) mask: "is_causal", "keys" (a [B, 1, 1, Tk] mask) or "none".
     sdpa_mask: str | None = None
     sdpa_fill: float | None = None  # the fill of an SDPA float mask rebuilt per key
+    compute_dtype: torch.dtype | None = None  # autocast's dtype, which q, k, v are cast to
     blocker: str | None = None
 
     @property
@@ -122,7 +124,7 @@ class AttentionMatch:
                 keys=shapes.render(k.shape[-2]),
                 head_dim=shapes.render(q.shape[-1]),
                 scale=self.scale,
-                dtype=str(q.dtype).removeprefix("torch."),
+                dtype=str(self.compute_dtype or q.dtype).removeprefix("torch."),
             )
         return params
 
@@ -202,7 +204,7 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (dropout or scale is not a constant)")
     else:
         fields.update(k=_unrepeated(k), v=_unrepeated(v))
-    candidate = AttentionMatch(node, **fields)
+    candidate = AttentionMatch(node, compute_dtype=_autocast_dtype((q, k, v), (node,)), **fields)
     blocker = _blocker(candidate)
     return dataclasses.replace(candidate, blocker=blocker) if blocker else candidate
 
@@ -264,6 +266,7 @@ def _match_softmax(softmax: fx.Node, facts: GraphFacts) -> AttentionMatch | None
         scale=scale,
         dropout_p=dropout_p,
         three_d=tensor_value(q).dim() == 3,
+        compute_dtype=_autocast_dtype((q, k, v), (scores_chain[0], output)),
         **mask,
     )
     blocker = _blocker(candidate)
@@ -642,9 +645,22 @@ def _unrepeated(node: fx.Node) -> fx.Node:
     return indexed.args[0]
 
 
+def _autocast_dtype(operands: tuple[fx.Node, ...], products: tuple[fx.Node, ...]) -> torch.dtype | None:
+    """The dtype autocast ran the products in, when q, k, v differ from it (Llama's rotary embedding leaves q and
+    k in fp32 beside a bf16 v): the rewrite casts them to it, as autocast did."""
+    dtypes = {tensor_value(p).dtype for p in products if tensor_value(p) is not None}
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    inputs = [tensor_value(t) for t in operands]
+    if any(t is None or not t.is_floating_point() for t in inputs) or all(t.dtype == dtype for t in inputs):
+        return None
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
 def _blocker(candidate: AttentionMatch) -> str | None:
     q, k, v = (tensor_value(n) for n in (candidate.q, candidate.k, candidate.v))
-    if q.dtype != k.dtype or q.dtype != v.dtype:
+    if candidate.compute_dtype is None and (q.dtype != k.dtype or q.dtype != v.dtype):
         return f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})"
     if q.shape[-1] != v.shape[-1] or not q.is_floating_point():
         return "value head dim differs from the query's (not supported by memopt.flash_attention)"
@@ -743,6 +759,8 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
         return
     with graph.inserting_before(output):
         q, k, v = candidate.q, candidate.k, candidate.v
+        if candidate.compute_dtype is not None:
+            q, k, v = (cast_to(add, t, candidate.compute_dtype) for t in (q, k, v))
         if candidate.three_d:
             q, k, v = (add("call_method", "unsqueeze", t, 0) for t in (q, k, v))
         terms = list(candidate.biases)

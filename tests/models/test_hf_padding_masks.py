@@ -154,3 +154,27 @@ def test_lengths_that_change_keep_the_structure(attention):
     records = [r for r in dynamic.records if r.rule == "attention"]
     assert len(records) == 2 and all(r.applied for r in records), [r.reason for r in records]
     assert all(r.params["mask"] == "causal (flag) + key padding" and r.params["queries"] != str(T) for r in records)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_bf16_autocast(attention):
+    """Under bf16 autocast Llama's rotary embedding leaves q and k in fp32 beside a bf16 v; autocast ran both
+    products in bf16, so the rewrite casts q, k, v to bf16 as it did, and matches eager to bf16 rounding."""
+    model = _model("llama", attention)
+    ids, mask, labels = _batch("left", masked_lm=False)
+    _, params = zip(*model.named_parameters(), strict=True)
+
+    def step(ids, mask, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    expected = step(ids, mask, labels)
+    expected_grads = grads(expected, params)
+    ex = rewritten(step, ids, mask, labels, **OPTIONS)
+    records = _attention_records(ex)
+    assert len(records) == 2 and all(r.applied and r.params["dtype"] == "bfloat16" for r in records), [
+        r.reason for r in records
+    ]
+    torch.testing.assert_close(ex.result, expected, rtol=1e-3, atol=1e-3)
+    for actual, wanted in zip(grads(ex.result, params), expected_grads, strict=True):
+        assert (actual - wanted).abs().max() <= 0.02 * wanted.abs().max() + 1e-6
