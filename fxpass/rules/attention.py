@@ -891,7 +891,10 @@ def _sdpa_memory_model(candidate: AttentionMatch, assume_device: str | None = No
     if candidate.sdpa_mask is not None:  # SDPA stays: its own working set is the same before and after
         return shapes.MemoryModel(before, _key_mask_terms(candidate))
     device = assumed_device(q.device, assume_device)
-    after = working_set(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], device, dtype=q.dtype, head_dim=q.shape[-1])
+    after = working_set(
+        q.shape[0], q.shape[1], q.shape[-2], k.shape[-2], device, dtype=q.dtype, head_dim=q.shape[-1],
+        kv_heads=k.shape[-3],  # k is un-repeated when the op replaces SDPA
+    )
     return shapes.MemoryModel(before, after)
 
 
