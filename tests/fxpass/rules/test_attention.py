@@ -251,7 +251,8 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
 attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask has no query dimension: already [B, 1, 1, Tk])""")
 
     def test_sdpa_with_a_materialized_causal_mask_gets_the_flag(self):
-        """SDPA handed tril(ones) as a boolean mask: rewritten with the causal flag, the mask no longer built."""
+        """SDPA handed tril(ones) as a boolean mask: SDPA gets is_causal=True (its flash/cuDNN kernels), the mask
+        is no longer built."""
 
         def fn(q, k, v):
             mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
@@ -261,7 +262,9 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
         (record,) = _attention_records(ex)
         self.assertTrue(record.applied)
         self.assertEqual(record.params["mask"], "causal (flag)")
+        self.assertEqual(record.params["lowering"], "F.scaled_dot_product_attention(is_causal=True)")
         self.assertNotIn("tril", after_code(ex))
+        self.assertIn("is_causal = True", after_code(ex))
 
     def test_softmax_that_is_not_attention(self):
         gate = nn.Linear(D, 4)
