@@ -24,6 +24,20 @@ from fxpass.rewrite import copy_graph, rewrite_graph, undone, warn_once
 log = logging.getLogger(__name__)
 
 
+def dynamo_control_flow() -> tuple[type[BaseException], ...]:
+    """Exceptions by which Dynamo steers its own tracing, not failures: they must reach Dynamo untouched.
+
+    ``RestartAnalysis`` and its subclasses ask Dynamo to trace the frame again (Inductor's scalar-tensorify
+    pass raises ``TensorifyScalarRestartAnalysis`` from inside AOTAutograd after specializing a float input);
+    ``SkipFrame`` asks it to run the frame eagerly. Catching them as compile failures would compile this
+    attempt's graph without rewrites, and the retraced graph would never reach the backend. Every other
+    exception, ``Unsupported`` and ``BackendCompilerFailed`` included, may come from a rewrite and falls back.
+    """
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+
+    return (RestartAnalysis, SkipFrame)
+
+
 def split_options(options: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separate memopt's keys from Inductor config keys; reject keys that are neither."""
     from torch._inductor import config as inductor_config
@@ -77,13 +91,24 @@ class MemoptBackend:
         keep_code = self.keep_code or bool(self.config.debug_dir) or tracing_enabled()
         original = copy_graph(gm.graph)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
+        superseded = False
         try:
             return self._compile_or_fall_back(gm, original, report, example_inputs)
+        except dynamo_control_flow() as signal:
+            # Dynamo traces the frame again (or runs it eagerly): this graph is never run, and the next attempt
+            # gets its own report, so this one is not published (counters would count its rewrites twice).
+            superseded = True
+            log.debug("memopt: Dynamo %s; this graph's report is dropped", type(signal).__name__)
+            raise
         finally:
-            if self.sink is not None:
-                report.graph_module = gm
-                self.sink(report)
-            publish(report, self.config.debug_dir)
+            if not superseded:
+                self._publish(report, gm)
+
+    def _publish(self, report: GraphReport, gm: fx.GraphModule) -> None:
+        if self.sink is not None:
+            report.graph_module = gm
+            self.sink(report)
+        publish(report, self.config.debug_dir)
 
     def _compile_or_fall_back(
         self, gm: fx.GraphModule, original: fx.Graph, report: GraphReport, example_inputs: list[Any]
@@ -91,9 +116,12 @@ class MemoptBackend:
         """Compile the rewritten graph; if that raises, compile the graph as Dynamo captured it and warn.
 
         A kernel that fails to build for this GPU, say, must not stop the user's training (``strict`` raises).
-        Inductor compiles the backward at the first backward call, so a failure there is not caught here."""
+        Dynamo's control-flow exceptions (``dynamo_control_flow``) are no failure and pass through. Inductor
+        compiles the backward at the first backward call, so a failure there is not caught here."""
         try:
             return self._compile(gm, example_inputs)
+        except dynamo_control_flow():
+            raise
         except Exception as error:
             if self.config.strict or not report.applied:
                 raise

@@ -366,6 +366,63 @@ class TestFailingCompile:
             torch.compile(step, backend=self._refusing_backend(strict=True))(*_batch())
 
 
+class TestDynamoControlFlow:
+    """Dynamo's restarts and frame skips raised inside the backend reach Dynamo untouched: no fallback, no
+    warning, and only the graph that is finally compiled is reported."""
+
+    @pytest.fixture(autouse=True)
+    def _fresh_warnings(self, monkeypatch):
+        monkeypatch.setattr(fxpass.rewrite, "_WARNED", set())
+
+    @pytest.mark.parametrize("strict", [False, True])
+    def test_tensorify_restart_passes_through(self, strict):
+        """A float argument that ``torch.full`` reads: AOTAutograd's scalar-tensorify pass specializes it and
+        raises ``TensorifyScalarRestartAnalysis``; Dynamo traces again and the rewrite applies to that graph."""
+        weight, step = _step()
+
+        def scaled(h, t, scale: float):
+            return step(h, t) * torch.full((), scale)
+
+        raised = []
+
+        class Recording(fxpass.MemoptBackend):
+            def _compile(self, gm, example_inputs):
+                try:
+                    return super()._compile(gm, example_inputs)
+                except Exception as error:
+                    raised.append(type(error).__name__)
+                    raise
+
+        compiled = torch.compile(scaled, backend=Recording(options={**FAST, "strict": strict}), dynamic=True)
+        h, t = _batch()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            actual = compiled(h, t, 2.5)
+        assert not [w for w in caught if issubclass(w.category, fxpass.RewriteFailedWarning)]
+        expected = scaled(h, t, 2.5)
+        torch.testing.assert_close(actual, expected)
+        assert_close_all(grads(actual, [h, weight]), grads(expected, [h, weight]))
+        assert raised == ["TensorifyScalarRestartAnalysis"]  # the graph does restart Dynamo
+        assert [[r.applied for r in report.records] for report in fxpass.reports()] == [[True]]
+        assert counters["memopt"]["cce_applied"] == 1
+
+    def test_skip_frame_passes_through(self):
+        """A ``SkipFrame`` from the inner compiler makes Dynamo run the frame eagerly, with no memopt warning."""
+        from torch._dynamo.exc import SkipFrame
+
+        class Skipping(fxpass.MemoptBackend):
+            def _compile(self, gm, example_inputs):
+                raise SkipFrame("inner compiler skips this frame")
+
+        weight, step = _step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = torch.compile(step, backend=Skipping(options={**FAST, "strict": False}))
+            _check_against_eager(compiled, step, weight, *_batch())
+        assert not [w for w in caught if issubclass(w.category, fxpass.RewriteFailedWarning)]
+        assert fxpass.reports() == []
+
+
 class TestDisable:
     """A disabled rule does not run: no rewrite, no records, eager's result."""
 
