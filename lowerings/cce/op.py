@@ -242,31 +242,42 @@ def cce_backward(
     )
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, filter_eps = inputs
+def save_for_backward(ctx, inputs, output) -> None:
+    """What both CCE ops keep for the backward: hidden, weight, bias, targets and the [N] log-sum-exp."""
+    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap = inputs[:8]
     ctx.save_for_backward(hidden, weight, bias, targets, output[1])
     ctx.options = (ignore_index, reduction, label_smoothing, softcap)
-    ctx.filter_eps = filter_eps
 
 
-def _backward(ctx, grad_loss, grad_lse):
+def input_gradients(ctx, grad_loss, grad_lse, filter_eps: float = 0.0, grad_logits=None, round_logits=False):
+    """Gradients of hidden, weight and bias (None where not needed) from the saved tensors; shared by
+    ``memopt.cce`` and ``memopt.cce_with_logits``, whose returned logits' gradient is ``grad_logits``."""
     hidden, weight, bias, targets, lse = ctx.saved_tensors
     ignore_index, reduction, label_smoothing, softcap = ctx.options
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    need_bias = need_bias and bias is not None
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
     if grad_loss is None:
         grad_loss = lse.new_zeros(() if reduction != "none" else lse.shape)
     grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_backward(
         hidden, weight, bias, targets, lse, grad_loss, grad_lse, ignore_index, reduction, label_smoothing,
-        softcap, need_hidden, need_weight, need_bias and bias is not None, ctx.filter_eps,
+        softcap, need_hidden, need_weight, need_bias, filter_eps, grad_logits, round_logits,
     )
     return (
         grad_hidden if need_hidden else None,
         grad_weight if need_weight else None,
-        grad_bias if need_bias and bias is not None else None,
-        None, None, None, None, None, None,
+        grad_bias if need_bias else None,
     )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    save_for_backward(ctx, inputs, output)
+    ctx.filter_eps = inputs[8]
+
+
+def _backward(ctx, grad_loss, grad_lse):
+    return (*input_gradients(ctx, grad_loss, grad_lse, ctx.filter_eps), None, None, None, None, None, None)
 
 
 cce.register_autograd(_backward, setup_context=_setup_context)

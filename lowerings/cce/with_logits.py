@@ -25,7 +25,7 @@ import torch
 
 from lowerings._library import device_op, on_cuda, reference_op
 from lowerings.cce import reference
-from lowerings.cce.op import _check_inputs, _reduce
+from lowerings.cce.op import _check_inputs, _reduce, input_gradients, save_for_backward
 
 
 def row_terms(
@@ -108,30 +108,9 @@ def cce_with_logits(
     return _reduce(losses, targets != ignore_index, reduction), lse, logits
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap = inputs
-    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
-    ctx.options = (ignore_index, reduction, label_smoothing, softcap)
-
-
 def _backward(ctx, grad_loss, grad_lse, grad_logits):
-    hidden, weight, bias, targets, lse = ctx.saved_tensors
-    ignore_index, reduction, label_smoothing, softcap = ctx.options
-    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-    if grad_lse is None:
-        grad_lse = torch.zeros_like(lse)
-    if grad_loss is None:
-        grad_loss = lse.new_zeros(() if reduction != "none" else lse.shape)
-    grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_backward(
-        hidden, weight, bias, targets, lse, grad_loss, grad_lse, ignore_index, reduction, label_smoothing,
-        softcap, need_hidden, need_weight, need_bias and bias is not None, 0.0, grad_logits, True,
-    )
-    return (
-        grad_hidden if need_hidden else None,
-        grad_weight if need_weight else None,
-        grad_bias if need_bias and bias is not None else None,
-        None, None, None, None, None,
-    )
+    # grad_logits may be autograd's zeros for logits the caller dropped: added once per chunk, it costs no GEMM.
+    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, True), None, None, None, None, None)
 
 
-cce_with_logits.register_autograd(_backward, setup_context=_setup_context)
+cce_with_logits.register_autograd(_backward, setup_context=save_for_backward)
