@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
 INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
+CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
 ENV_DISABLE = "MEMOPT_DISABLE"
@@ -28,6 +29,7 @@ ENV_FORCE = "MEMOPT_FORCE"
 ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
 ENV_CCE_FILTER = "MEMOPT_CCE_FILTER_EPS"
 ENV_ASSUME_DEVICE = "MEMOPT_ASSUME_DEVICE"
+ENV_CCE_VARIANT = "MEMOPT_CCE_VARIANT"
 
 
 class ConfigError(ValueError):
@@ -58,6 +60,9 @@ class Config:
         assume_device: the device whose op implementations the memory models charge ("cuda" or "cpu"); None
             charges the graph's own device. ``"cuda"`` on a CPU-only machine shows what a GPU run would decide;
             the graph still runs on its own device.
+        cce_variant: which CCE op serves a scalar loss: "chunked" (``memopt.cce``, 8·N·D·V FLOPs, keeps only an
+            [N] log-sum-exp), "rowwise" (``memopt.cce_rowwise``, 6·N·D·V, keeps the loss's gradients from
+            forward to backward) or "auto" (the rule weighs the two: see ``fxpass/rules/cce.py``).
     """
 
     inner_compiler: str = "inductor"
@@ -71,6 +76,7 @@ class Config:
     wta_crs_winners: bool = True
     cce_filter_eps: float | str | None = None
     assume_device: str | None = None
+    cce_variant: str = "auto"
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
@@ -89,6 +95,8 @@ class Config:
                 raise ConfigError(f"cce_filter_eps must be in [0, 1) or 'auto', got {self.cce_filter_eps!r}")
         if self.assume_device is not None and self.assume_device not in DEVICE_TYPES:
             raise ConfigError(f"assume_device must be one of {DEVICE_TYPES} or None, got {self.assume_device!r}")
+        if self.cce_variant not in CCE_VARIANTS:
+            raise ConfigError(f"cce_variant must be one of {CCE_VARIANTS}, got {self.cce_variant!r}")
         if not all(isinstance(name, str) for name in self.disable):
             raise ConfigError(f"disable must name rules, got {sorted(map(repr, self.disable))}")
         if self.inner_compiler not in INNER_COMPILERS:
@@ -165,6 +173,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if device not in DEVICE_TYPES:
             raise ConfigError(f"{ENV_ASSUME_DEVICE} must be one of {DEVICE_TYPES}, got {env[ENV_ASSUME_DEVICE]!r}")
         values["assume_device"] = device
+    if env.get(ENV_CCE_VARIANT):
+        values["cce_variant"] = env[ENV_CCE_VARIANT].strip().lower()
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):

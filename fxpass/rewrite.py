@@ -15,7 +15,7 @@ from typing import Any
 import torch.fx as fx
 
 import lowerings  # noqa: F401  (registers torch.ops.memopt.*, which rewritten graphs call)
-from fxpass import shapes
+from fxpass import checkpoint, shapes
 from fxpass.config import Config
 from fxpass.graph import GraphFacts, canonicalize_operator_methods, source_location
 from fxpass.report import GraphReport, RewriteRecord, current_graph_id, graph_code
@@ -41,19 +41,34 @@ def rewrite_graph(
     for rule in RULES:
         if config.rule_enabled(rule.name):
             report.records.extend(_run_rule(rule, gm, config, example_inputs))
+    for region in checkpoint.regions(gm, example_inputs):
+        canonicalize_operator_methods(region.body.graph)
+        for rule in RULES:
+            if config.rule_enabled(rule.name):
+                report.records.extend(_run_rule(rule, region.body, config, region.example_inputs, region))
+        region.body.recompile()
     gm.recompile()
     if keep_code:
         report.after = graph_code(gm)
     return report
 
 
-def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config, example_inputs: Sequence[Any]) -> list[RewriteRecord]:
+def _run_rule(
+    rule: Rule,
+    gm: fx.GraphModule,
+    config: Config,
+    example_inputs: Sequence[Any],
+    region: checkpoint.Region | None = None,
+) -> list[RewriteRecord]:
+    """Match, decide and apply one rule on ``gm`` (a checkpointed ``region``'s body when one is given)."""
     saved_graph = copy_graph(gm.graph)
     records: list[RewriteRecord] = []
     try:
         for candidate in rule.match(GraphFacts(gm, example_inputs)):
             decision = rule.decide(candidate, config)
-            records.append(_record(rule.name, candidate, decision, config))
+            if region is not None:
+                decision = checkpoint.decide_in_region(rule.name, decision, region)
+            records.append(_record(rule.name, candidate, decision, config, region))
             if decision.apply:
                 rule.apply(gm, candidate, config)
         gm.graph.lint()
@@ -65,7 +80,8 @@ def _run_rule(rule: Rule, gm: fx.GraphModule, config: Config, example_inputs: Se
         warn_once(rule.name, reason)
         log.debug("memopt rule %s failed", rule.name, exc_info=True)
         records = [undone(r, "undone: the rule failed later on this graph") for r in records]
-        records.append(RewriteRecord(rule.name, False, reason, (), None, None, None, None, {}))
+        params = {"checkpointed_region": region.name} if region is not None else {}
+        records.append(RewriteRecord(rule.name, False, reason, (), None, None, None, None, params))
     return records
 
 
@@ -76,9 +92,13 @@ def undone(record: RewriteRecord, reason: str) -> RewriteRecord:
     return dataclasses.replace(record, applied=False, reason=reason)
 
 
-def _record(rule: str, candidate, decision: Decision, config: Config) -> RewriteRecord:
+def _record(
+    rule: str, candidate, decision: Decision, config: Config, region: checkpoint.Region | None = None
+) -> RewriteRecord:
     memory, verdict = decision.memory, decision.verdict
-    params = dict(candidate.params())
+    params = {**candidate.params(), **decision.params}
+    if region is not None:  # the saving is a transient peak of that region (fxpass/checkpoint.py)
+        params["checkpointed_region"] = region.name
     if config.assume_device is not None:  # the decision was taken for that device's implementation
         params["assume_device"] = config.assume_device
     return RewriteRecord(

@@ -40,6 +40,7 @@ class Decision:
     reason: str
     memory: MemoryModel | None = None
     verdict: Verdict | None = None
+    params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # choices the rule made, for the record
 
 
 @dataclasses.dataclass(frozen=True)

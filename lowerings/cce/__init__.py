@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lowerings.cce import op as _op  # noqa: F401  (registers torch.ops.memopt.cce*)
+from lowerings.cce import rowwise as _rowwise  # noqa: F401  (registers torch.ops.memopt.cce_rowwise)
 from lowerings.cce import with_logits as _with_logits  # noqa: F401  (registers torch.ops.memopt.cce_with_logits)
 
 

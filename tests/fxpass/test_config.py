@@ -46,7 +46,7 @@ class TestDefaults:
     def test_option_names(self):
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
-            "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps", "assume_device",
+            "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps", "assume_device", "cce_variant",
         }
 
 

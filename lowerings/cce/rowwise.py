@@ -1,0 +1,177 @@
+"""``torch.ops.memopt.cce_rowwise``: cut cross-entropy at 6·N·D·V FLOPs, gradients taken during the forward.
+
+    loss, grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_rowwise(
+        hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap,
+        need_hidden, need_weight, need_bias)
+
+For a scalar loss (``reduction`` "mean" or "sum") the gradient of the loss is known up to the one upstream
+scalar as soon as the logits are: the forward walks the rows in chunks, forms a chunk's logits with one GEMM,
+takes its loss terms and ``softmax − one-hot`` in place, and multiplies that into ∂E (the chunk's rows, one GEMM)
+and ∂C (a second GEMM, accumulated in fp32 over chunks), as fused losses do (Liger-Kernel's fused linear
+cross-entropy is the same schedule). The backward only scales the saved gradients by the upstream scalar.
+That is 6·N·D·V FLOPs against the V-chunked op's 8 (its backward recomputes the logits), all of them cuBLAS
+GEMMs on CUDA, at the price of keeping ∂E [N, D], ∂C [V, D] (fp32) and ∂b from forward to backward; the
+rule charges them and picks this variant only where they are worth it (``fxpass/rules/cce.py``).
+
+Both devices run the same PyTorch code in an opaque op (its chunk loop must not be traced: it would guard on
+the number of rows). Gradients the graph does not need are not computed (``need_*`` come from the rule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowerings._library import reference_op
+from lowerings.cce import reference
+from lowerings.cce.op import _check_inputs
+
+SCALAR_REDUCTIONS = ("mean", "sum")
+# A chunk of rows holds its logits and their fp32 copy within 1/FRACTION of the N×V logits, under CHUNK_BYTES
+# (larger on CUDA, where GEMMs want a few hundred rows), and is at least one row.
+FRACTION = 8
+CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
+
+
+def chunk_bytes_per_row(vocab, dtype: torch.dtype):
+    """A row of a chunk: its logits in the input dtype and their copy in the compute dtype."""
+    return vocab * (dtype.itemsize + reference.compute_dtype(dtype).itemsize)
+
+
+def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str):
+    """Rows per chunk (SymInts give a symbolic answer)."""
+    share = torch.sym_min(n_rows * vocab * dtype.itemsize // FRACTION, CHUNK_BYTES.get(device_type, 32 << 20))
+    return torch.sym_max(1, torch.sym_min(n_rows, share // chunk_bytes_per_row(vocab, dtype)))
+
+
+def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, needs=(True, True, False)):
+    """Bytes the op keeps beyond its inputs and the loss, by name, for the rule's memory model."""
+    acc = reference.compute_dtype(dtype).itemsize
+    need_hidden, need_weight, need_bias = needs
+    rows = chunk_rows(n_rows, vocab, dtype, device.type)
+    terms: dict[str, object] = {
+        "transient: one chunk of logits and their fp32 copy [rows, V]": rows * chunk_bytes_per_row(vocab, dtype),
+    }
+    if need_weight and dtype.itemsize < acc:
+        terms["transient: a chunk's ∂C product [V, D] before its fp32 sum"] = vocab * dim * dtype.itemsize
+    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * dim * acc if need_weight else 0)
+    saved = saved + (vocab * acc if need_bias else 0)
+    terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
+    return terms
+
+
+def _chunk_gradient(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ of the chunk's loss terms, and ∂(Σ loss)/∂logits in place of an fp32 copy of ``logits``.
+
+    loss = (1 − ε)(lse − z_t) + ε(lse − mean z); ∂/∂z = softmax − (1 − ε)·onehot − ε/V, times 1 − tanh² under the
+    softcap z = c·tanh(x/c); ignored rows contribute nothing."""
+    vocab = logits.shape[1]
+    z = logits.to(reference.compute_dtype(logits.dtype), copy=True)
+    slope = None
+    if softcap is not None:
+        z.div_(softcap).tanh_()
+        slope = 1.0 - z.square()  # a second buffer, only under a softcap
+        z.mul_(softcap)
+    valid = reference.valid_rows(targets, ignore_index)
+    index = torch.where(valid, targets, 0).unsqueeze(1)
+    target_logit = z.gather(1, index).squeeze(1)
+    mean = z.mean(dim=-1) if label_smoothing else None
+    row_max = z.amax(dim=-1, keepdim=True)
+    probs = z.sub_(row_max).exp_()
+    total = probs.sum(dim=-1, keepdim=True)
+    lse = total.log().squeeze(1) + row_max.squeeze(1)
+    loss = (1.0 - label_smoothing) * (lse - target_logit)
+    if mean is not None:
+        loss = loss + label_smoothing * (lse - mean)
+    grad = probs.div_(total)
+    grad.scatter_add_(1, index, torch.full_like(target_logit, -(1.0 - label_smoothing)).unsqueeze(1))
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab)
+    if slope is not None:
+        grad.mul_(slope)
+    grad.mul_(valid.unsqueeze(1))
+    return torch.where(valid, loss, 0.0).sum(), grad
+
+
+@reference_op("cce_rowwise")
+def cce_rowwise(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float | None,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    torch._check(reduction in SCALAR_REDUCTIONS, lambda: "memopt.cce_rowwise: the loss must be a scalar (mean or sum)")
+    targets = targets.long()
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    reference.check_targets(targets, vocab, ignore_index)
+    acc = reference.compute_dtype(hidden.dtype)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else weight.new_empty(0)
+    grad_bias = weight.new_zeros(vocab, dtype=acc) if need_bias and bias is not None else weight.new_empty(0)
+    valid = reference.valid_rows(targets, ignore_index)
+    # mean: every row's gradient carries 1 / (valid rows), known before the first chunk (0/0 → NaN as PyTorch)
+    scale = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
+    grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type))
+    for start in range(0, n_rows, step):
+        rows = slice(start, min(start + step, n_rows))
+        logits = torch.nn.functional.linear(hidden[rows], weight, bias)
+        chunk_loss, grad = _chunk_gradient(logits, targets[rows], ignore_index, label_smoothing, softcap)
+        total += chunk_loss
+        grad.mul_(grad_scale)
+        low = logits.copy_(grad) if grad.dtype != logits.dtype else grad  # GEMM operands in the input dtype
+        if need_hidden:
+            torch.mm(low, weight, out=grad_hidden[rows])
+        if need_weight and acc == hidden.dtype:
+            grad_weight.addmm_(low.t(), hidden[rows])
+        elif need_weight:  # one rounding of the chunk's product, then an fp32 sum over chunks
+            grad_weight.add_(low.t() @ hidden[rows])
+        if grad_bias.numel():
+            grad_bias += grad.sum(dim=0)
+    return total * scale, grad_hidden, grad_weight, grad_bias
+
+
+@cce_rowwise.register_fake
+def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden, need_weight,
+      need_bias):
+    acc = reference.compute_dtype(hidden.dtype)
+    return (
+        hidden.new_empty((), dtype=acc),
+        hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
+        weight.new_empty(weight.shape, dtype=acc) if need_weight else weight.new_empty(0),
+        weight.new_empty(weight.shape[0], dtype=acc) if need_bias and bias is not None else weight.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight, bias = inputs[:3]
+    ctx.save_for_backward(*output[1:])
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.needs = inputs[8:11]
+
+
+def _backward(ctx, grad_loss, *_):
+    """The upstream scalar times the gradients the forward took; nothing else is computed."""
+    grads = []
+    names = ("hidden", "weight", "bias")
+    for name, saved, dtype, taken, needed in zip(
+        names, ctx.saved_tensors, ctx.dtypes, ctx.needs, ctx.needs_input_grad[:3], strict=True
+    ):
+        if needed and not taken:  # a gradient silently left out would be a wrong answer
+            raise RuntimeError(f"memopt.cce_rowwise: {name} needs a gradient but was told need_{name}=False")
+        grads.append((saved * grad_loss).to(dtype) if needed and dtype is not None else None)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+cce_rowwise.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,124 @@
+"""``memopt.cce_rowwise`` (gradients taken during the forward) against float64 math and against eager in low
+precision; only the gradients asked for are computed; ragged row chunks change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowerings.cce import rowwise
+from tests.helpers import assert_close_all
+
+N, V, D = 23, 37, 8
+FP64 = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _inputs(dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(7)
+    tensors = [torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen) / D**0.5]
+    if bias:
+        tensors.append(torch.randn(V, generator=gen))
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[::5] = -100
+    return [t.to(dtype).requires_grad_() for t in tensors], targets
+
+
+def _ours(leaves, targets, reduction, smoothing=0.0, softcap=None, needs=None):
+    h, w, *b = leaves
+    needs = needs or (True, True, bool(b))
+    return torch.ops.memopt.cce_rowwise(
+        h, w, b[0] if b else None, targets, -100, reduction, smoothing, softcap, *needs
+    )[0]
+
+
+def _eager(leaves, targets, reduction, smoothing=0.0, softcap=None):
+    logits = F.linear(*leaves)
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return F.cross_entropy(z, targets, reduction=reduction, label_smoothing=smoothing)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("bias", "smoothing", "softcap"), [(False, 0.0, None), (True, 0.1, 4.0)])
+@pytest.mark.parametrize("rows_per_chunk", [None, 5])
+def test_matches_float64(monkeypatch, reduction, bias, smoothing, softcap, rows_per_chunk):
+    if rows_per_chunk is not None:  # several ragged chunks
+        monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: rows_per_chunk)
+    leaves, targets = _inputs(torch.float64, bias)
+    loss = _ours(leaves, targets, reduction, smoothing, softcap)
+    expected = _eager(leaves, targets, reduction, smoothing, softcap)
+    torch.testing.assert_close(loss, expected, **FP64)
+    assert_close_all(torch.autograd.grad(3 * loss, leaves), torch.autograd.grad(3 * expected, leaves), **FP64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_no_worse_than_eager(dtype):
+    """|ours − fp64| ≤ 2·|eager same dtype − fp64| + the result's own rounding, loss and every gradient."""
+    leaves, targets = _inputs(dtype, bias=True)
+    exact_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ours, low, exact = _ours(leaves, targets, "mean"), _eager(leaves, targets, "mean"), _eager(exact_leaves, targets,
+                                                                                              "mean")
+    triples = zip(
+        (ours, *torch.autograd.grad(ours, leaves)),
+        (low, *torch.autograd.grad(low, leaves)),
+        (exact, *torch.autograd.grad(exact, exact_leaves)),
+        strict=True,
+    )
+    for index, (mine, theirs, truth) in enumerate(triples):
+        our_error = (mine.double() - truth).abs().max().item()
+        eager_error = (theirs.double() - truth).abs().max().item()
+        rounding = torch.finfo(mine.dtype).eps * truth.abs().max().item()
+        assert our_error <= 2 * eager_error + rounding, (index, our_error, eager_error)
+
+
+def test_only_the_gradients_asked_for():
+    """A frozen classifier: no ∂C is taken (an empty tensor is kept), and asking too little is an error, never
+    a silently missing gradient."""
+    (hidden, weight), targets = _inputs(torch.float64, bias=False)
+    weight.requires_grad_(False)
+    outputs = torch.ops.memopt.cce_rowwise(hidden, weight, None, targets, -100, "mean", 0.0, None, True, False, False)
+    assert outputs[2].numel() == 0 and outputs[3].numel() == 0
+    expected = torch.autograd.grad(_eager([hidden, weight], targets, "mean"), hidden)
+    torch.testing.assert_close(torch.autograd.grad(outputs[0], hidden)[0], expected[0], **FP64)
+    loss = _ours([hidden, weight.requires_grad_()], targets, "mean", needs=(True, False, False))
+    with pytest.raises(RuntimeError, match="told need_weight=False"):
+        loss.backward()
+
+
+def test_all_targets_ignored_mean_is_nan_like_pytorch():
+    """A NaN loss and zero gradients, as PyTorch's cross-entropy gives."""
+    leaves, targets = _inputs(torch.float64, bias=False)
+    ignored = torch.full_like(targets, -100)
+    loss, expected = _ours(leaves, ignored, "mean"), _eager(leaves, ignored, "mean")
+    assert torch.isnan(loss) and torch.isnan(expected)
+    for ours, theirs in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, leaves), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_out_of_range_target_raises():
+    leaves, targets = _inputs(torch.float32, bias=False)
+    targets[2] = V
+    with pytest.raises(IndexError, match="out of bounds"):
+        _ours(leaves, targets, "sum")
+
+
+def test_non_scalar_reduction_is_refused():
+    leaves, targets = _inputs(torch.float32, bias=False)
+    with pytest.raises(RuntimeError, match="must be a scalar"):
+        _ours(leaves, targets, "none")
+
+
+@pytest.mark.parametrize(("bias", "reduction", "softcap"), [(False, "mean", None), (True, "sum", 3.0)])
+def test_opcheck(bias, reduction, softcap):
+    (h, w, *b), targets = _inputs(torch.float32, bias)
+    args = (h, w, b[0] if b else None, targets, -100, reduction, 0.1, softcap, True, True, bias)
+    torch.library.opcheck(torch.ops.memopt.cce_rowwise.default, args)
+
+
+def test_working_set_charges_the_saved_gradients():
+    terms = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cuda"), (True, True, False))
+    saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
+    assert saved == 1024 * 768 * 2 + 50000 * 768 * 4
+    assert rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda") == 1024 * 50000 * 2 // 8 // (50000 * 6)
