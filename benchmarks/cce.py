@@ -80,6 +80,11 @@ def torch_eager(e, c, t):
     return F.cross_entropy((e @ c.T).float(), t)
 
 
+def _rowwise(e, c, t):
+    """``memopt.cce_rowwise``: the gradients taken during the forward (6·N·D·V FLOPs)."""
+    return torch.ops.memopt.cce_rowwise(e, c, None, t, -100, "mean", 0.0, None, True, True, False)[0]
+
+
 def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:
     """Factories of loss functions ``(e, c, t) -> loss``; a factory returns None if the peer is missing."""
     found: dict[str, Callable[[], LossFn | None]] = {
@@ -88,7 +93,11 @@ def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:
         "memopt (op)": lambda: linear_cross_entropy,
         "memopt (op) filter 2^-12": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-12),
         "memopt (op) filter 2^-9": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-9),
+        "memopt (op, row-wise)": lambda: _rowwise,
         "memopt (torch.compile rewrite)": lambda: torch.compile(torch_eager, backend=fxpass.memopt_backend),
+        "memopt (torch.compile rewrite, chunked)": lambda: torch.compile(
+            torch_eager, backend=fxpass.MemoptBackend(options={"cce_variant": "chunked"})
+        ),
         "apple cce": lambda: _apple("high"),
         "apple cce (no filter)": lambda: _apple(None),
         "liger": _liger,
