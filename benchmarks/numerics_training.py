@@ -1,8 +1,8 @@
 """Training-level numerics (Golden et al. 2024, §V): how far memopt's rewrites move the trained weights, next
 to the deviations everyone already accepts (another seed, bf16 instead of fp32 training).
 
-    python benchmarks/numerics_training.py --out $OUT/numerics_training        # GPU: ~2000 steps a run
-    python benchmarks/numerics_training.py --smoke --out /tmp/numerics_smoke    # CPU, tiny model, ~5 steps
+    python benchmarks/numerics_training.py --time-limit 420 --out $OUT/numerics_training   # GPU, ~6 min on an H200
+    python benchmarks/numerics_training.py --smoke --out /tmp/numerics_smoke    # CPU, tiny model, 5 steps, < 1 min
 
 Golden et al. ("Is Flash Attention Stable?", arXiv 2405.02803, §V) train one model twice, differing only in the
 attention implementation, and track the difference of the weights over training: the largest |Δw| and the
@@ -14,7 +14,8 @@ sources (``examples/train_gpt.py``'s data) with AdamW under bf16 autocast, compi
 ``torch.compile(model, backend=...)``, the step keeps the loss and drops the logits. Runs, one after another
 in this process:
 
-- (a) torch.compile; (a2) the same again: the run-to-run floor (zero on a CPU; CUDA's atomics make it nonzero);
+- (a) torch.compile; (a2) the same again: the run-to-run floor (zero on a CPU; on CUDA atomic adds, as in
+  Inductor's embedding backward, can make it nonzero);
 - (b) memopt, default rewrites (cut cross-entropy, flash attention);
 - (c) memopt with WTA-CRS at budget 0.3;
 - (d) memopt with CCE's gradient filter (``cce_filter_eps="auto"``). The filter only applies where the graph
@@ -314,7 +315,8 @@ def run_variant(ctx: Context, variant: Variant) -> dict[str, Any]:
             result["status"] = f"stopped at step {step} (--time-limit)"
             break
         start = time.perf_counter()  # the checkpoint's work is not training time
-    result["step_ms"] = 1e3 * train_seconds / max(1, len(result["losses"]) - 1)
+    if len(result["losses"]) > 1:  # the first step, mostly compilation, is timed apart
+        result["step_ms"] = 1e3 * train_seconds / (len(result["losses"]) - 1)
     result["rewrites"] = applied_rewrites()  # the backward compiles at the first backward: count again
     if variant.backend == "memopt" and "cce_filter_eps" in variant.options and device.type != "cuda":
         result["note"] = "the gradient filter is CUDA-only: on this device the CCE backward stays exact"
@@ -323,11 +325,11 @@ def run_variant(ctx: Context, variant: Variant) -> dict[str, Any]:
     if not math.isfinite(sum(result["losses"])):
         log.warning("%s: a loss is not finite", variant.key)
     log.info(
-        "(%s) %s: final loss %.4f, %.1f ms/step, first step %.1f s, rewrites %s",
+        "(%s) %s: final loss %.4f, %s ms/step, first step %.1f s, rewrites %s",
         variant.key,
         variant.label,
         result["losses"][-1],
-        result["step_ms"],
+        f"{result['step_ms']:.1f}" if "step_ms" in result else "—",
         result["first_step_s"],
         result["rewrites"],
     )
@@ -490,8 +492,21 @@ def report_text(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+CONTROLS = ("a", "f", "e", "a2")  # dashed in the plots: the accepted deviations and the floor
+
+
+def smoothed(values: Sequence[float], window: int) -> tuple[list[int], list[float]]:
+    """Running means over ``window`` steps (fewer when the run is shorter), with the step each one ends at."""
+    window = max(1, min(window, len(values)))
+    if not values:
+        return [], []
+    means = torch.tensor(values, dtype=torch.float64).unfold(0, window, 1).mean(1).tolist()
+    return list(range(window, window + len(means))), means
+
+
 def plot(runs: Mapping[str, Any], out: Path) -> list[str]:
-    """Loss curves, and the deviations from (a) and (f) over steps on log scales; returns the files written."""
+    """Loss curves and their gap to (a)'s, and the weight deviations from (a) and (f) over steps on log
+    scales; returns the files written."""
     try:
         import matplotlib
 
@@ -501,15 +516,29 @@ def plot(runs: Mapping[str, Any], out: Path) -> list[str]:
         log.warning("matplotlib missing: no plots")
         return []
     colors = {key: f"C{i}" for i, key in enumerate(VARIANTS)}
-    fig, ax = plt.subplots(figsize=(8, 5))
+
+    def style(key: str) -> dict[str, Any]:
+        return {"color": colors[key], "linestyle": "--" if key in CONTROLS else "-", "label": f"({key})"}
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5))
+    base = runs.get("a", {}).get("losses", [])
     for key, run in runs.items():
-        losses = torch.tensor(run["losses"])
-        window = max(1, min(20, len(losses)))
-        if len(losses):
-            smooth = losses.unfold(0, window, 1).mean(1)
-            ax.plot(range(window, window + len(smooth)), smooth, color=colors[key], label=f"({key}) {run['label']}")
-    ax.set(xlabel="step", ylabel="training loss (20-step mean)", title="Loss curves")
-    ax.legend(fontsize=7)
+        left.plot(*smoothed(run["losses"], 20), **style(key) | {"label": f"({key}) {run['label']}"})
+        gaps = [abs(x - y) for x, y in zip(run["losses"], base, strict=False)]
+        if key != "a" and any(gaps):
+            right.plot(*smoothed(gaps, 50), **style(key))
+    left.set(xlabel="step", ylabel="training loss (20-step mean)", title="Loss curves")
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="step",
+        ylabel="|loss − loss (a)| (50-step mean)",
+        title="Loss gap to (a), same batches (except (e))",
+    )
+    if left.get_lines():
+        left.legend(fontsize=7)
+    if right.get_lines():
+        right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "numerics_training_loss.png", dpi=120)
     plt.close(fig)
@@ -521,9 +550,11 @@ def plot(runs: Mapping[str, Any], out: Path) -> list[str]:
             for key, run in runs.items():
                 points = {s: v for s, v in series(run, ref, metric).items() if v > 0}
                 if points:
-                    ax.plot(list(points), list(points.values()), marker=".", color=colors[key], label=f"({key})")
+                    ax.plot(list(points), list(points.values()), marker=".", **style(key))
             ax.set(xscale="log", yscale="log", xlabel="step", title=f"{METRIC_LABELS[metric]} vs ({ref})")
-            ax.legend(fontsize=7)
+            if ax.get_lines():
+                ax.legend(fontsize=7)
+    fig.suptitle("Weight deviation (dashed: (a) bf16, (f) fp32, (e) other seed, (a2) rerun)")
     fig.tight_layout()
     fig.savefig(out / "numerics_training_deviation.png", dpi=120)
     plt.close(fig)
@@ -533,8 +564,13 @@ def plot(runs: Mapping[str, Any], out: Path) -> list[str]:
 def write_outputs(ctx: Context) -> str:
     """The JSON, the markdown and the plots, as far as the runs have come."""
     write_json(ctx)
-    plot(ctx.record["runs"], ctx.args.out)
-    return write_report(ctx.args.out, "numerics_training.md", report_text(ctx))
+    try:
+        images = plot(ctx.record["runs"], ctx.args.out)
+    except Exception as error:  # a plot must not cost the numbers
+        log.warning("no plots: %s", error_note(error))
+        images = []
+    links = "".join(f"\n![{name}]({name})" for name in images)
+    return write_report(ctx.args.out, "numerics_training.md", report_text(ctx) + links)
 
 
 # --- main ------------------------------------------------------------------------------------------------
@@ -577,6 +613,19 @@ def chosen_variants(names: str) -> list[Variant]:
     """The requested variants in execution order (references first)."""
     wanted = set(names.split(","))
     return [variant for key, variant in VARIANTS.items() if key in wanted]
+
+
+def run_or_skip(ctx: Context, variant: Variant) -> dict[str, Any]:
+    """The variant's result; skipped past the time limit, and a failure recorded rather than raised (one
+    failing variant must not cost the others' numbers)."""
+    if ctx.out_of_time():
+        return {"label": variant.label, "status": "skipped (--time-limit)", "losses": [], "checkpoints": []}
+    try:
+        return run_variant(ctx, variant)
+    except Exception as error:
+        log.exception("(%s) failed", variant.key)
+        partial = ctx.record["runs"].get(variant.key, {"label": variant.label, "losses": [], "checkpoints": []})
+        return partial | {"status": "error", "error": error_note(error)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -627,21 +676,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.time_limit is not None:
         ctx.deadline = started + args.time_limit
     for variant in chosen_variants(args.variants):
-        if ctx.out_of_time():
-            record["runs"][variant.key] = {
-                "label": variant.label,
-                "status": "skipped (--time-limit)",
-                "losses": [],
-                "checkpoints": [],
-            }
-            continue
-        try:
-            run_variant(ctx, variant)
-        except Exception as error:  # one failing variant must not cost the others' numbers
-            log.exception("(%s) failed", variant.key)
-            record["runs"].setdefault(variant.key, {"label": variant.label, "losses": [], "checkpoints": []}).update(
-                status="error", error=error_note(error)
-            )
+        record["runs"][variant.key] = run_or_skip(ctx, variant)
         backfill(ctx)
         record["seconds"] = time.perf_counter() - started
         write_outputs(ctx)
