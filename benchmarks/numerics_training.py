@@ -425,6 +425,25 @@ def deviation_table(runs: Mapping[str, Any], ref: str) -> str:
     return "\n".join(lines)
 
 
+def ratios_over_training(runs: Mapping[str, Any], key: str, unit_key: str, metric: str) -> list[float]:
+    """``key``'s deviation from (a) over ``unit_key``'s at every checkpoint both have (``"f"``: the precision
+    deviation), so one lucky checkpoint does not decide."""
+    mine = series(runs[key], "a", metric) if key in runs else {}
+    out = []
+    for step, value in sorted(mine.items()):
+        unit = deviation_at(runs, unit_key, "a", metric, step)
+        if unit:
+            out.append(value / unit)
+    return out
+
+
+def spread(values: Sequence[float]) -> str:
+    """Median [min–max] of ratios, or "—"."""
+    if not values:
+        return "—"
+    return f"median {statistics.median(values):.2g}× [{min(values):.2g}–{max(values):.2g}×]"
+
+
 def verdicts(runs: Mapping[str, Any]) -> list[str]:
     """For each memopt run and the rerun: is its deviation from (a) below the seed's (e) and the precision's
     (f) at the same step? And the filter against its exact control (d0)."""
@@ -443,6 +462,8 @@ def verdicts(runs: Mapping[str, Any]) -> list[str]:
                 f"{METRIC_LABELS[metric]} {ratio(value, seed)} the seed's, {ratio(value, prec)} the "
                 f"precision's (below: {', '.join(below) or 'neither'})"
             )
+        over = {unit: spread(ratios_over_training(runs, key, unit, "rel_fro")) for unit in ("e", "f")}
+        parts.append(f"rel. Frobenius over all checkpoints: {over['e']} the seed's, {over['f']} the precision's")
         lines.append(f"- ({key}) {runs[key]['label']}, step {step}: " + "; ".join(parts))
     step = last_step(runs, "d", "a")
     filtered, exact = (deviation_at(runs, k, "a", "rel_fro", step) for k in ("d", "d0"))
