@@ -56,3 +56,27 @@ def assert_close_all(actual: Sequence[torch.Tensor | None], expected: Sequence[t
             assert a is None and e is None, f"gradient {index}: one side is None"
             continue
         torch.testing.assert_close(a, e, msg=lambda m, i=index: f"tensor {i}: {m}", **tol)
+
+
+def max_abs(tensors: torch.Tensor | Sequence[torch.Tensor | None]) -> float:
+    """The largest magnitude over one tensor or several (``None`` skipped): the scale of a set of results."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    return max((t.detach().abs().max().item() for t in tensors if t is not None and t.numel()), default=0.0)
+
+
+def assert_close_scaled(
+    actual: torch.Tensor, expected: torch.Tensor, *, rel: float, scale: float | None = None, name: str = ""
+) -> None:
+    """Elementwise ``|actual − expected| ≤ rel·(|expected| + scale)``; ``scale`` defaults to ``max_abs(expected)``.
+
+    Why not a fixed atol: two computations of the same value in another reduction order (another kernel,
+    Inductor's vector width on another instruction set) differ by rounding proportional to the magnitude of
+    the terms summed, not of the result. An element that is zero in exact arithmetic (a gradient that
+    cancels; a parameter AdamW moved only on such a gradient's rounding noise) has no magnitude of its own,
+    so a fixed atol passes or fails by machine. Pass ``scale`` (a global gradient or update max-abs) when the
+    whole tensor can be such noise.
+    """
+    scale = max_abs(expected) if scale is None else scale
+    message = f"(allowed: {rel:g}·(|expected| + {scale:.3g}))"
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * scale, msg=lambda m: f"{name}: {m}\n{message}")
