@@ -14,6 +14,12 @@ Flows:
 - ``whole_model``: ``torch.compile(model)``, then ``loss = out.loss`` with the output (logits) dropped;
 - ``padded``: the whole model with a tokenizer-style right-padded ``attention_mask`` (every sequence but the
   first ends in 1/8 or 1/4 padding, labelled -100).
+
+``--checkpointing off,on`` adds the same cases with HF's ``gradient_checkpointing_enable()`` (non-reentrant
+``torch.utils.checkpoint`` around every layer), so the table shows checkpointing alone (torch.compile, on) beside
+checkpointing + memopt (memopt, on), and both beside the runs without it:
+
+    python benchmarks/e2e.py --models gpt2,llama-1b --flows loss_only --checkpointing off,on --out $OUT/e2e_ckpt
 """
 
 from __future__ import annotations
@@ -48,13 +54,14 @@ class Row:
     first_call_s: float | None = None
     rewrites: str = ""
     error: str | None = None
+    checkpointing: str = "off"
 
     @property
     def tokens_per_s(self) -> float | None:
         return None if self.step_ms is None else self.tokens / self.step_ms * 1e3
 
 
-def build_model(name: str, attention: str, dropout: str, tiny: bool):
+def build_model(name: str, attention: str, dropout: str, tiny: bool, checkpointing: bool = False):
     """An HF causal LM from its config: GPT-2 small, or Llama-3.2-1B's shape (vocabulary 128256, GQA 32/8).
 
     ``dropout="config"`` keeps the config's own dropout (GPT-2: 0.1 everywhere), ``"0"`` turns it off."""
@@ -83,6 +90,8 @@ def build_model(name: str, attention: str, dropout: str, tiny: bool):
     config._attn_implementation = attention
     model = model_class(config)
     model.loss_type = "ForCausalLM"  # without it, transformers' loss_type warning breaks the graph
+    if checkpointing:  # every decoder layer recomputed in the backward, as fine-tuning setups often do
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 
@@ -155,9 +164,9 @@ def measure(row: Row, model, step: Callable, batch, steps: int, device: torch.de
     return row
 
 
-def run_case(name, attention, dropout, flow, backend, args, device) -> Row:
+def run_case(name, attention, dropout, flow, backend, args, device, checkpointing: str = "off") -> Row:
     torch.manual_seed(0)
-    model = build_model(name, attention, dropout, args.tiny).to(device)
+    model = build_model(name, attention, dropout, args.tiny, checkpointing == "on").to(device)
     if args.precision == "bf16":
         model = model.to(torch.bfloat16)
     seq = args.seq or (2048 if name == "llama-1b" else 1024)
@@ -165,7 +174,7 @@ def run_case(name, attention, dropout, flow, backend, args, device) -> Row:
     if args.tiny:
         seq, size = min(seq, 64), min(size, 2)
     batch = make_batch(model.config.vocab_size, size, seq, flow == "padded", device)
-    row = Row(name, attention, dropout, flow, backend, tokens=size * seq)
+    row = Row(name, attention, dropout, flow, backend, tokens=size * seq, checkpointing=checkpointing)
     try:
         step = compiled_step(model, flow, backend, args.inner, json.loads(args.memopt_options))
         measure(row, model, step, batch, args.steps, device, args.precision == "autocast")
@@ -184,21 +193,21 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
 def table(rows: list[Row]) -> str:
     """One line per case: torch.compile's and memopt's figures, and memopt / torch.compile."""
     lines = [
-        "| model | attention | dropout | flow | tokens | torch.compile ms | memopt ms | time ratio | "
+        "| model | attention | dropout | checkpointing | flow | tokens | torch.compile ms | memopt ms | time ratio | "
         "torch.compile tok/s | memopt tok/s | torch.compile peak MiB | memopt peak MiB | peak ratio | "
         "first call s (tc / memopt) | memopt rewrites |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     cases: dict[tuple, dict[str, Row]] = {}
     for row in rows:
-        cases.setdefault((row.model, row.attention, row.dropout, row.flow), {})[row.backend] = row
+        cases.setdefault((row.model, row.attention, row.dropout, row.checkpointing, row.flow), {})[row.backend] = row
     fmt = lambda value, spec: "-" if value is None else format(value, spec)  # noqa: E731
-    for (model, attention, dropout, flow), pair in cases.items():
+    for (model, attention, dropout, checkpointing, flow), pair in cases.items():
         base, ours = pair.get("torch.compile"), pair.get("memopt")
         get = lambda row, field: None if row is None else getattr(row, field)  # noqa: E731
         errors = "; ".join(f"{r.backend}: {r.error}" for r in pair.values() if r.error)
         lines.append(
-            f"| {model} | {attention} | {dropout} | {flow} | {next(iter(pair.values())).tokens} | "
+            f"| {model} | {attention} | {dropout} | {checkpointing} | {flow} | {next(iter(pair.values())).tokens} | "
             f"{fmt(get(base, 'step_ms'), '.1f')} | {fmt(get(ours, 'step_ms'), '.1f')} | "
             f"{_ratio(get(ours, 'step_ms'), get(base, 'step_ms'))} | "
             f"{fmt(get(base, 'tokens_per_s'), '.0f')} | {fmt(get(ours, 'tokens_per_s'), '.0f')} | "
@@ -219,6 +228,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--batch", type=int, default=None, help="default: 16 (GPT-2) or 4 (Llama)")
     parser.add_argument("--seq", type=int, default=None, help="default: 1024 (GPT-2) or 2048 (Llama)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--checkpointing", default="off", help='HF activation checkpointing: "off", "on" or "off,on"')
     parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16", "fp32"],
                         help="autocast: fp32 weights under bf16 autocast (fine-tuning's setup); bf16: bf16 weights")
     parser.add_argument("--inner", default="inductor", help="compiler of both sides (aot_eager for a quick check)")
@@ -234,13 +244,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     for name in args.models.split(","):
         for attention in args.attention.split(","):
             for dropout in args.dropout.split(","):
-                for flow in args.flows.split(","):
-                    for backend in BACKENDS:
-                        rows.append(run_case(name, attention, dropout, flow, backend, args, device))
-                        line = json.dumps(dataclasses.asdict(rows[-1]))
-                        print(line, flush=True)
-                        with progress.open("a") as log:
-                            log.write(line + "\n")
+                for checkpointing in args.checkpointing.split(","):
+                    for flow in args.flows.split(","):
+                        for backend in BACKENDS:
+                            rows.append(run_case(name, attention, dropout, flow, backend, args, device, checkpointing))
+                            line = json.dumps(dataclasses.asdict(rows[-1]))
+                            print(line, flush=True)
+                            with progress.open("a") as log:
+                                log.write(line + "\n")
     title = header(f"End-to-end training step, torch.compile vs memopt ({args.precision})", device)
     write_report(args.out, "e2e.md", f"{title}\n\n{table(rows)}")
     (args.out / "e2e.json").write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))

@@ -45,6 +45,11 @@ _KEEP_NOTHING_METHODS = frozenset(
 # Binary ops that keep an operand only when the other operand needs a gradient (mul: ∂a = g·b).
 _KEEP_OTHER_FUNCTIONS = (operator.mul, torch.mul, operator.truediv, torch.div)
 _KEEP_OTHER_METHODS = frozenset({"mul", "div"})
+# Products that keep an operand only when the other factor needs a gradient (a @ b: ∂b = aᵀ·g reads a). A frozen
+# weight (LoRA's base layer) thus keeps no input alive.
+_KEEP_OTHER_PRODUCTS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
+_KEEP_OTHER_PRODUCT_METHODS = frozenset({"matmul", "mm", "bmm"})
+_LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
 # Ops whose backward reads their own output, so the output stays alive.
 _SAVE_OUTPUT_FUNCTIONS = (
     torch.tanh, torch.sigmoid, torch.relu, F.relu, torch.exp, torch.softmax, F.softmax, F.log_softmax,
@@ -116,10 +121,28 @@ def keeps_operand(user: fx.Node, operand: fx.Node) -> bool:
         user.op == "call_method" and user.target in _KEEP_NOTHING_METHODS
     ):
         return False
-    if is_call(user, *_KEEP_OTHER_FUNCTIONS) or is_method(user, *_KEEP_OTHER_METHODS):
+    if (
+        is_call(user, *_KEEP_OTHER_FUNCTIONS, *_KEEP_OTHER_PRODUCTS)
+        or is_method(user, *_KEEP_OTHER_METHODS, *_KEEP_OTHER_PRODUCT_METHODS)
+    ) and not user.kwargs:
         others = [a for a in user.args if a is not operand]
         return any(_needs_grad(other) for other in others)
+    if is_call(user, *_LINEAR_FUNCTIONS):
+        return _linear_keeps(user, operand)
     return True
+
+
+def _linear_keeps(user: fx.Node, operand: fx.Node) -> bool:
+    """``linear(x, w, b)``: ∂w reads x and ∂x reads w; the bias is never read. Unknown forms keep everything."""
+    args = [*user.args, *(user.kwargs[k] for k in ("input", "weight", "bias") if k in user.kwargs)]
+    if len(args) < 2 or args[0] is args[1]:
+        return True
+    x, weight = args[0], args[1]
+    if operand is x:
+        return _needs_grad(weight)
+    if operand is weight:
+        return _needs_grad(x)
+    return False  # the bias
 
 
 def saver_of_output(node: fx.Node) -> fx.Node | None:

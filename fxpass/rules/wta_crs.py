@@ -239,6 +239,9 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
     from lowerings.wta_crs.op import sample
 
     graph = gm.graph
+    candidate = dataclasses.replace(
+        candidate, input=_current(candidate.input), period_source=_current(candidate.period_source)
+    )
     first = min(candidate.nodes, key=_position_in(graph))
     fake_mode = fake_mode_of([candidate.input, first])
 
@@ -269,7 +272,19 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
         outputs = [add("call_function", operator.getitem, fused, i) for i in range(len(candidate.members))]
     for member, output in zip(candidate.members, outputs, strict=True):
         member.node.replace_all_uses_with(output)
+        member.node.meta[_REPLACED_BY] = output
     erase_unused(candidate.nodes)
+
+
+_REPLACED_BY = "memopt_wta_replaced_by"
+
+
+def _current(node: fx.Node) -> fx.Node:
+    """What ``node`` is now: a group applied earlier in this pass may have replaced it (LoRA's B reads A's
+    output, and both are groups matched before either was applied)."""
+    while _REPLACED_BY in node.meta:
+        node = node.meta[_REPLACED_BY]
+    return node
 
 
 def _estimate_node(gm: fx.GraphModule, candidate: WtaMatch, fake_mode, first: fx.Node) -> fx.Node:

@@ -23,3 +23,17 @@ def test_tiny_run_fills_the_table(tmp_path):
     assert all("cce×1" in row.rewrites for row in memopt_rows), [row.rewrites for row in memopt_rows]
     report = (tmp_path / "e2e.md").read_text()
     assert report.count("| gpt2 | eager | 0 |") == 2
+
+
+def test_checkpointing_cases(tmp_path):
+    """``--checkpointing on``: checkpointing alone (torch.compile) beside checkpointing + memopt, whose CCE (outside
+    the checkpointed layers) and attention rewrites (inside them) still apply. ("off,on" adds the plain runs.)"""
+    argv = ["--tiny", "--inner", "aot_eager", "--steps", "1", "--device", "cpu", "--precision", "fp32", "--models", "gpt2",
+            "--attention", "eager", "--dropout", "0", "--flows", "loss_only", "--checkpointing", "on", "--seq", "16",
+            "--out", str(tmp_path), "--memopt-options", '{"force": true}']  # fmt: skip
+    rows = e2e.main(argv)
+    assert [(row.checkpointing, row.backend) for row in rows] == [("on", backend) for backend in e2e.BACKENDS]
+    assert all(row.error is None and row.step_ms > 0 for row in rows), [row.error for row in rows]
+    assert [row.rewrites for row in rows if row.backend == "memopt"] == ["attention×2, cce×1"]
+    report = (tmp_path / "e2e.md").read_text()
+    assert report.count("| gpt2 | eager | 0 | on | loss_only |") == 1
