@@ -20,7 +20,8 @@ in this process:
 - (c) memopt with WTA-CRS at budget 0.3;
 - (d) memopt with CCE's gradient filter (``cce_filter_eps="auto"``). The filter only applies where the graph
   returns just the loss (memopt declines to filter a loss whose logits the graph returns), so (d) compiles
-  ``lambda x, y: model(x, y)[1]``, and (d0) is that same step with exact gradients, the filter's control;
+  ``lambda x, y: model(x, y)[1]``, and (d0) is that same step with exact gradients, the filter's control
+  (both pin ``cce_variant="chunked"``, the op the filter belongs to);
 - (e) torch.compile with another seed for data order (and dropout, when ``--dropout`` > 0);
 - (f) torch.compile in fp32, TF32 off: the high-precision reference.
 
@@ -89,14 +90,22 @@ VARIANTS: dict[str, Variant] = {
         Variant("e", "torch.compile, other seed (data order, dropout)", "compile", seed_offset=1),
         Variant("b", "memopt (CCE, attention)", "memopt"),
         Variant("c", "memopt + WTA-CRS 0.3", "memopt", {"wta_crs_budget": 0.3}),
+        # The filter belongs to the chunked CCE op; its control pins that op (a loss-only step could otherwise
+        # get the row-wise one), so that (d) and (d0) differ by the filter alone.
         Variant(
             "d",
             "memopt + CCE gradient filter (auto), loss-only step",
             "memopt",
-            {"cce_filter_eps": "auto"},
+            {"cce_filter_eps": "auto", "cce_variant": "chunked"},
             loss_only=True,
         ),
-        Variant("d0", "memopt, loss-only step (the filter's exact control)", "memopt", loss_only=True),
+        Variant(
+            "d0",
+            "memopt, loss-only step, exact (the filter's control)",
+            "memopt",
+            {"cce_variant": "chunked"},
+            loss_only=True,
+        ),
         Variant("a2", "torch.compile again (run-to-run floor)", "compile"),
     )
 }
