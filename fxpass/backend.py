@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpass import checkpoint
 from fxpass.cache import SOURCE_KEYED_PASS
 from fxpass.config import Config, ConfigError
 from fxpass.report import GraphReport, error_note, publish, tracing_enabled
@@ -90,10 +91,11 @@ class MemoptBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         keep_code = self.keep_code or bool(self.config.debug_dir) or tracing_enabled()
         original = copy_graph(gm.graph)
+        bodies = {region.name: copy_graph(region.body.graph) for region in checkpoint.regions(gm)}
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
         superseded = False
         try:
-            return self._compile_or_fall_back(gm, original, report, example_inputs)
+            return self._compile_or_fall_back(gm, original, report, example_inputs, bodies)
         except dynamo_control_flow() as signal:
             # Dynamo traces the frame again (or runs it eagerly): this graph is never run, and the next attempt
             # gets its own report, so this one is not published (counters would count its rewrites twice).
@@ -111,7 +113,12 @@ class MemoptBackend:
         publish(report, self.config.debug_dir)
 
     def _compile_or_fall_back(
-        self, gm: fx.GraphModule, original: fx.Graph, report: GraphReport, example_inputs: list[Any]
+        self,
+        gm: fx.GraphModule,
+        original: fx.Graph,
+        report: GraphReport,
+        example_inputs: list[Any],
+        bodies: Mapping[str, fx.Graph] | None = None,
     ) -> Callable:
         """Compile the rewritten graph; if that raises, compile the graph as Dynamo captured it and warn.
 
@@ -130,6 +137,10 @@ class MemoptBackend:
             warn_once("backend", reason)
             report.records = [undone(r, f"undone: {reason}") for r in report.records]
             gm.graph = original
+            for name, graph in (bodies or {}).items():  # checkpointed regions' bodies were rewritten in place
+                body = getattr(gm, name)
+                body.graph = graph
+                body.recompile()
             gm.recompile()
             return self._compile(gm, example_inputs)
 

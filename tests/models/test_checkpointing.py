@@ -127,6 +127,31 @@ def test_selective_checkpointing_declines_inside():
     assert [r.applied for r in records if r.rule == "cce"] == [True]
 
 
+def test_compile_failure_falls_back_inside_regions_too(monkeypatch):
+    """If the rewritten graph fails to compile, the regions' bodies are restored with the top-level graph."""
+    import fxpass.rewrite
+
+    monkeypatch.setattr(fxpass.rewrite, "_WARNED", set())
+    compiled_graphs = []
+
+    class Refusing(fxpass.MemoptBackend):
+        def _compile(self, gm, example_inputs):
+            code = "\n".join(m.code for m in gm.modules() if isinstance(m, torch.fx.GraphModule))
+            compiled_graphs.append(code)
+            if "memopt" in code:
+                raise RuntimeError("kernel failed to build")
+            return super()._compile(gm, example_inputs)
+
+    model = Model()
+    batch = _batch()
+    expected = model(*batch)
+    with pytest.warns(fxpass.RewriteFailedWarning, match="kernel failed to build"):
+        actual = torch.compile(model, backend=Refusing(options={**FAST, "strict": False}))(*batch)
+    torch.testing.assert_close(actual, expected)
+    assert len(compiled_graphs) == 2 and "memopt" not in compiled_graphs[-1]
+    assert not fxpass.reports()[-1].applied
+
+
 def _hf_gpt2() -> transformers.GPT2LMHeadModel:
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=D, n_layer=2, n_head=HEADS, bos_token_id=1, eos_token_id=2,
