@@ -255,7 +255,9 @@ def case_setup(parallel: str, model: str, args) -> Setup:
         options = {"force": True, "wta_crs_min_tokens": 1, **options}
     return Setup(
         parallel=parallel, compile=args.compile, model=model, full=not args.smoke, attention=args.attention,
-        inner=args.inner, mode=args.mode, bucket_mb=args.bucket_mb, batch=args.batch or default_batch,
+        inner=args.inner, mode=args.mode, bucket_mb=args.bucket_mb,
+        optimize_ddp={"True": True, "False": False}.get(args.optimize_ddp, args.optimize_ddp),
+        batch=args.batch or default_batch,
         seq=args.seq or default_seq, autocast=not args.fp32, options=options,
     )
 
@@ -304,6 +306,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"])
     parser.add_argument("--mode", default=None, help="torch.compile mode for every variant")
     parser.add_argument("--bucket-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's 25)")
+    parser.add_argument("--optimize-ddp", default="True", choices=["True", "False", "python_reducer"],
+                        help="torch._dynamo.config.optimize_ddp (True: Dynamo splits the graph at DDP's buckets)")
     parser.add_argument("--batch", type=int, default=None, help="per GPU; default 8 (GPT-2) or 4 (Llama)")
     parser.add_argument("--seq", type=int, default=None, help="default 1024 (GPT-2) or 2048 (Llama)")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")

@@ -51,6 +51,7 @@ class Setup:
     inner: str = "aot_eager"  # compiler of both variants: "inductor" or "aot_eager"
     mode: str | None = None  # torch.compile mode (Inductor only)
     bucket_mb: float | None = None  # DDP bucket_cap_mb; None: DDP's default (25 MiB)
+    optimize_ddp: bool | str = True  # torch._dynamo.config.optimize_ddp: True (split), False, "python_reducer"
     batch: int = 2
     seq: int = 16
     autocast: bool = False  # bf16 autocast around the forward
@@ -139,6 +140,7 @@ def compiled_step(variant: str, setup: Setup, device: torch.device) -> tuple[nn.
     from fxpass.integrations.blocks import HeadLoss, compile_blocks
 
     torch.manual_seed(0)
+    torch._dynamo.config.optimize_ddp = setup.optimize_ddp
     model = build_model(setup.model, setup.full, setup.attention).to(device)
     backend, kwargs = backend_for(variant, setup)
     if setup.compile == "whole":
@@ -253,6 +255,9 @@ def parse(argv: list[str] | None = None) -> tuple[Setup, Path, int]:
     parser.add_argument("--inner", default="aot_eager", choices=["inductor", "aot_eager"])
     parser.add_argument("--mode", default=None)
     parser.add_argument("--bucket-mb", type=float, default=None)
+    parser.add_argument("--optimize-ddp", default="True", choices=["True", "False", "python_reducer"],
+                        help="torch._dynamo.config.optimize_ddp: split at buckets (True), one graph (False), "
+                        "or compiled autograd's reducer")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--autocast", action="store_true")
@@ -262,8 +267,11 @@ def parse(argv: list[str] | None = None) -> tuple[Setup, Path, int]:
     parser.add_argument("--out", type=Path, default=Path("distributed_out"))
     args = parser.parse_args(argv)
     setup = Setup(
-        args.parallel, args.compile, args.model, args.full, args.attention, args.inner, args.mode, args.bucket_mb,
-        args.batch, args.seq, args.autocast, json.loads(args.options), tuple(args.variants.split(",")),
+        parallel=args.parallel, compile=args.compile, model=args.model, full=args.full, attention=args.attention,
+        inner=args.inner, mode=args.mode, bucket_mb=args.bucket_mb,
+        optimize_ddp={"True": True, "False": False}.get(args.optimize_ddp, args.optimize_ddp),
+        batch=args.batch, seq=args.seq, autocast=args.autocast, options=json.loads(args.options),
+        variants=tuple(args.variants.split(",")),
     )
     return setup, args.out, args.world
 

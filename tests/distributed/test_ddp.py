@@ -5,7 +5,7 @@ piece. A bucket boundary falls between parameters, and neither pattern has a par
 parameter-free from ``q @ kᵀ`` to ``@ v``; CCE's classifier weight is the last op's input), so both survive any
 bucket size. What a split changes: a block's attention mask may arrive from another piece as an input, so it is
 passed as a bias instead of a proved causal flag, and a linear whose input crosses a piece boundary cannot have
-it freed (WTA-CRS declines: a graph input stays alive).
+it freed (WTA-CRS declines: a graph input stays alive). ``optimize_ddp="python_reducer"`` keeps one graph.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def test_ddp_small_buckets_keep_patterns_whole(tmp_path):
     for report in reports:
         assert applied(report) == ["attention", "attention", "cce"], report["rank"]
         assert len(report["variants"]["memopt"]["graphs"]) > 3, "the DDP optimizer did not split the graph"
+        # the causal mask is built in the first piece and reaches the blocks as an input: an exact bias
+        assert all(r["causal"] is False for r in records(report) if r["rule"] == "attention")
         declined = [r for r in records(report) if r["rule"] == "wta_crs" and "placeholder" in r["reason"]]
         assert declined, "a linear reading a piece's input is declined with the reason"
     for rank, result in enumerate(results):
@@ -43,6 +45,20 @@ def test_ddp_per_block_compile_with_compiled_head_loss(tmp_path):
     results = rank_results(tmp_path)
     for report in reports:
         assert applied(report) == ["attention", "attention", "cce"], report["rank"]
+    for result in results:
+        assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], **TOL)
+    assert_same_grads(results[1]["memopt"]["grads"], results[0]["memopt"]["grads"], rtol=0, atol=0)
+
+
+def test_ddp_python_reducer_keeps_one_graph(tmp_path):
+    """``torch._dynamo.config.optimize_ddp = "python_reducer"`` (compiled autograd's reducer) does not split: one
+    graph, the causal mask proved and passed as a flag, gradients still equal after the all-reduce."""
+    reports = run_driver(tmp_path, "--parallel", "ddp", "--bucket-mb", "0.01", "--optimize-ddp", "python_reducer")
+    results = rank_results(tmp_path)
+    for report in reports:
+        assert applied(report) == ["attention", "attention", "cce"]
+        assert len(report["variants"]["memopt"]["graphs"]) == 1
+        assert all(r["causal"] is True for r in records(report) if r["rule"] == "attention")
     for result in results:
         assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], **TOL)
     assert_same_grads(results[1]["memopt"]["grads"], results[0]["memopt"]["grads"], rtol=0, atol=0)
