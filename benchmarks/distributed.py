@@ -95,15 +95,21 @@ def gather(value: Any) -> list[Any]:
     return values
 
 
+def comm_device() -> torch.device:
+    """Where collectives take their tensors: NCCL needs them on this rank's GPU, gloo on the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def slowest(value: float) -> float:
     """The largest value over ranks: a data-parallel step is as slow as its slowest rank."""
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64, device=comm_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.item()
 
 
-def all_ok(ok: bool, device: torch.device) -> bool:
-    flag = torch.tensor([0 if ok else 1], device=device if dist.get_backend() == "nccl" else "cpu")
+def all_ok(ok: bool) -> bool:
+    """Whether every rank's ``ok`` holds."""
+    flag = torch.tensor([0 if ok else 1], device=comm_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0
 
@@ -207,7 +213,7 @@ def fits(variant: str, setup: Setup, batch: int, device: torch.device) -> bool:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return all_ok(ok, device)
+    return all_ok(ok)
 
 
 def largest_batch(fits_at: Callable[[int], bool], start: int, limit: int) -> int:
