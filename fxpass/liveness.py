@@ -46,7 +46,7 @@ _KEEP_NOTHING_METHODS = frozenset(
 _KEEP_OTHER_FUNCTIONS = (operator.mul, torch.mul, operator.truediv, torch.div)
 _KEEP_OTHER_METHODS = frozenset({"mul", "div"})
 # Products that keep an operand only when the other factor needs a gradient (a @ b: ∂b = aᵀ·g reads a). A frozen
-# weight (LoRA's base layer) thus keeps no input alive.
+# weight (LoRA's base layer) thus keeps no input alive. linear and addmm are bound by name below.
 _KEEP_OTHER_PRODUCTS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
 _KEEP_OTHER_PRODUCT_METHODS = frozenset({"matmul", "mm", "bmm"})
 _LINEAR_FUNCTIONS = (F.linear, torch._C._nn.linear)
@@ -129,6 +129,8 @@ def keeps_operand(user: fx.Node, operand: fx.Node) -> bool:
         return any(_needs_grad(other) for other in others)
     if is_call(user, *_LINEAR_FUNCTIONS):
         return _linear_keeps(user, operand)
+    if is_call(user, torch.addmm):
+        return _addmm_keeps(user, operand)
     return True
 
 
@@ -143,6 +145,19 @@ def _linear_keeps(user: fx.Node, operand: fx.Node) -> bool:
     if operand is weight:
         return _needs_grad(x)
     return False  # the bias
+
+
+def _addmm_keeps(user: fx.Node, operand: fx.Node) -> bool:
+    """``addmm(bias, a, b)`` (GPT-2's Conv1D): ∂b reads a and ∂a reads b; the added bias is never read."""
+    args = [*user.args, *(user.kwargs[k] for k in ("input", "mat1", "mat2") if k in user.kwargs)]
+    if len(args) < 3 or len({id(a) for a in args[:3]}) < 3:
+        return True
+    bias, a, b = args[:3]
+    if operand is a:
+        return _needs_grad(b)
+    if operand is b:
+        return _needs_grad(a)
+    return operand is not bias
 
 
 def saver_of_output(node: fx.Node) -> fx.Node | None:
