@@ -162,17 +162,31 @@ def _hf_gpt2() -> transformers.GPT2LMHeadModel:
     return model
 
 
-def test_hf_gradient_checkpointing_enable():
-    """HF's layers checkpoint themselves: the compiled model runs, equals eager, and CCE outside still applies."""
+@pytest.mark.parametrize("flow", ["loss_only", "whole_model"])
+def test_hf_gradient_checkpointing_enable(flow):
+    """HF's layers checkpoint themselves: the compiled step or model runs, equals eager, and CCE outside still
+    applies (``memopt.cce_with_logits`` when the whole model is compiled and returns its logits)."""
     model = _hf_gpt2()
     model.gradient_checkpointing_enable()
     model.train()
     ids, _ = _batch()
+    if flow == "loss_only":
 
-    def step(ids):
-        return model(input_ids=ids, labels=ids).loss
+        def step(ids):
+            return model(input_ids=ids, labels=ids).loss
 
-    records = _run(model, step, ids, options=FAST)
+        records = _run(model, step, ids, options=FAST)
+    else:
+        expected = model(input_ids=ids, labels=ids)
+        compiled = torch.compile(model, backend="memopt", options=FAST)
+        fxpass.clear_reports()
+        actual = compiled(input_ids=ids, labels=ids)
+        torch.testing.assert_close(actual.loss, expected.loss)
+        torch.testing.assert_close(actual.logits, expected.logits)
+        params = list(model.parameters())
+        assert_close_all(torch.autograd.grad(actual.loss, params), torch.autograd.grad(expected.loss, params))
+        records = [r for report in fxpass.reports() for r in report.records]
+        assert [r.params["returns_logits"] for r in records if r.rule == "cce"] == [True]
     assert [r.applied for r in records if r.rule == "cce"] == [True]
     inside = [r for r in records if r.rule == "attention"]
     assert len(inside) == 2 and all(r.applied and "checkpointed_region" in r.params for r in inside), [
