@@ -63,16 +63,18 @@ def test_head_left_eager_has_no_cce_record():
     reason="WTA-CRS keys its gradient-norm estimate by the weights' graph names, which are the same in every "
     "block's graph (L['self'].mlp.c_proj.weight): the blocks share one buffer, and one block's backward updates "
     "it in place before another's reads it ('modified by an inplace operation'). Keying by the real weight "
-    "(GraphFacts.real_value) fixes it; fxpass/rules/wta_crs.py is being edited elsewhere",
+    "(Dynamo's grapharg example) fixes it; fxpass/rules/wta_crs.py is being edited elsewhere",
 )
 def test_wta_crs_applies_inside_each_block():
-    """The MLP's output projection reads GELU's output, which nothing else keeps: sampled inside each block."""
+    """Inside each block, QKV and the MLP's input projection (reading LayerNorm outputs that only they keep) and
+    the MLP's output projection (reading GELU's output) sample; the attention output projection is declined
+    (the flash op saves its input)."""
     model, reference = twins("gpt2")
     compile_blocks(model, options={**OPTIONS, "wta_crs_budget": 0.5, "wta_crs_min_tokens": 1})
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    assert applied_rules().count("wta_crs") == 2, [r.reason for rep in fxpass.reports() for r in rep.records]
+    assert applied_rules().count("wta_crs") == 6, [r.reason for rep in fxpass.reports() for r in rep.records]
     torch.testing.assert_close(loss, reference(input_ids=ids, labels=ids).loss)  # the forward stays exact
 
 
