@@ -52,6 +52,16 @@ HOW_TO_ENABLE = (
 )
 
 
+def _weight_key(weight: fx.Node) -> str:
+    """A name for a weight that differs between graphs: blocks compiled one by one lift weights under the same
+    graph names (``L['self'].mlp.c_proj.weight``), so a lifted weight is told apart by the tensor it stands for."""
+    if weight.op != "placeholder":
+        return weight.name
+    grapharg = weight.meta.get("grapharg")
+    example = getattr(grapharg, "example", None) if grapharg is not None else None
+    return str(weight.target) if example is None else f"{weight.target}@{id(example):x}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Member:
     """One linear of a group: ``out = x @ weightᵀ + bias`` (``weight`` stored [D_in, D_out] if transposed)."""
@@ -81,8 +91,7 @@ class WtaMatch:
 
     @property
     def key(self) -> str:
-        names = (str(m.weight.target if m.weight.op == "placeholder" else m.weight.name) for m in self.members)
-        return "wta_crs:" + ",".join(names)
+        return "wta_crs:" + ",".join(_weight_key(m.weight) for m in self.members)
 
     def params(self) -> Mapping[str, Any]:
         x = tensor_value(self.input)

@@ -57,14 +57,6 @@ def test_head_left_eager_has_no_cce_record():
     assert all(r.rule != "cce" for report in fxpass.reports() for r in report.records)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="WTA-CRS keys its gradient-norm estimate by the weights' graph names, which are the same in every "
-    "block's graph (L['self'].mlp.c_proj.weight): the blocks share one buffer, and one block's backward updates "
-    "it in place before another's reads it ('modified by an inplace operation'). Keying by the real weight "
-    "(Dynamo's grapharg example) fixes it; fxpass/rules/wta_crs.py is being edited elsewhere",
-)
 def test_wta_crs_applies_inside_each_block():
     """Inside each block, QKV and the MLP's input projection (reading LayerNorm outputs that only they keep) and
     the MLP's output projection (reading GELU's output) sample; the attention output projection is declined
