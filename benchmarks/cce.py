@@ -93,9 +93,9 @@ def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:
         "memopt (op)": lambda: linear_cross_entropy,
         "memopt (op) filter 2^-12": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-12),
         "memopt (op) filter 2^-9": lambda: functools.partial(linear_cross_entropy, filter_eps=2.0**-9),
-        "memopt (op, row-wise)": lambda: _rowwise,
+        "memopt (op) row-wise": lambda: _rowwise,
         "memopt (torch.compile rewrite)": lambda: torch.compile(torch_eager, backend=fxpass.memopt_backend),
-        "memopt (torch.compile rewrite, chunked)": lambda: torch.compile(
+        "memopt (torch.compile rewrite) chunked": lambda: torch.compile(
             torch_eager, backend=fxpass.MemoptBackend(options={"cce_variant": "chunked"})
         ),
         "apple cce": lambda: _apple("high"),

@@ -62,7 +62,9 @@ class Config:
             the graph still runs on its own device.
         cce_variant: which CCE op serves a scalar loss: "chunked" (``memopt.cce``, 8·N·D·V FLOPs, keeps only an
             [N] log-sum-exp), "rowwise" (``memopt.cce_rowwise``, 6·N·D·V, keeps the loss's gradients from
-            forward to backward) or "auto" (the rule weighs the two: see ``fxpass/rules/cce.py``).
+            forward to backward) or "auto" (the rule weighs the two by memory and FLOPs: see
+            ``fxpass/rules/cce.py``). "chunked" is the default: on the H200 the row-wise op, PyTorch ops around
+            cuBLAS GEMMs, took 68.7 ms where the chunked one took 32.3 (BENCHMARKS.md), FLOPs notwithstanding.
     """
 
     inner_compiler: str = "inductor"
@@ -76,7 +78,7 @@ class Config:
     wta_crs_winners: bool = True
     cce_filter_eps: float | str | None = None
     assume_device: str | None = None
-    cce_variant: str = "auto"
+    cce_variant: str = "chunked"
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
