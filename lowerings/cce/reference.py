@@ -96,12 +96,27 @@ def _chunk_logits(
     return out.copy_(torch.nn.functional.linear(hidden, weight, None if bias is None else bias.to(hidden.dtype)))
 
 
-def _logsumexp_(z: torch.Tensor) -> torch.Tensor:
-    """Row log-sum-exp of ``z`` [rows, V], as ``torch.logsumexp`` computes it; ``z`` is left holding exp(z − max)."""
+def row_terms_(
+    z: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row loss (0 on ignored rows) and log-sum-exp of a chunk's logits ``z`` [rows, V] in the compute dtype,
+    in place: ``z`` is softcapped, then left holding exp(z − max); the third result is its row sums, so that
+    ``z / sums`` is the softmax. The log-sum-exp is ``torch.logsumexp``'s (an all −inf row keeps −inf).
+
+    The one loss computation of the chunked forward, ``cce_with_logits`` on CPU and the row-wise op."""
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    valid = valid_rows(targets, ignore_index)
+    target_logit = z.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
+    mean_logit = z.mean(dim=-1) if label_smoothing else None
     top = z.amax(dim=1, keepdim=True)
     top.masked_fill_(top.abs() == float("inf"), 0.0)
-    total = z.sub_(top).exp_().sum(dim=1)
-    return total.log_().add_(top.squeeze(1))
+    sums = z.sub_(top).exp_().sum(dim=1)
+    lse = sums.log().add_(top.squeeze(1))
+    loss = (1.0 - label_smoothing) * (lse - target_logit)
+    if mean_logit is not None:
+        loss = loss + label_smoothing * (lse - mean_logit)
+    return torch.where(valid, loss, 0.0), lse, sums
 
 
 def _buffer(numel: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -145,18 +160,7 @@ def forward(
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         z = _chunk_logits(hidden[rows], weight, bias, _view(buffer, rows.stop - start, vocab))
-        if softcap is not None:
-            z.div_(softcap).tanh_().mul_(softcap)
-        target = targets[rows]
-        valid = valid_rows(target, ignore_index)
-        target_logit = z.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
-        mean_logit = z.mean(dim=-1) if label_smoothing else None
-        chunk_lse = _logsumexp_(z)
-        loss = (1.0 - label_smoothing) * (chunk_lse - target_logit)
-        if mean_logit is not None:
-            loss = loss + label_smoothing * (chunk_lse - mean_logit)
-        losses[rows] = torch.where(valid, loss, 0.0)
-        lse[rows] = chunk_lse
+        losses[rows], lse[rows], _ = row_terms_(z, targets[rows], ignore_index, label_smoothing, softcap)
     return losses, lse
 
 

@@ -69,29 +69,21 @@ def _chunk_gradient(
     vocab = logits.shape[1]
     z = logits.to(reference.compute_dtype(logits.dtype), copy=True)
     slope = None
-    if softcap is not None:
+    if softcap is not None:  # applied here rather than in row_terms_, to keep tanh for the chain rule
         z.div_(softcap).tanh_()
         slope = 1.0 - z.square()  # a second buffer, only under a softcap
         z.mul_(softcap)
+    loss, _, sums = reference.row_terms_(z, targets, ignore_index, label_smoothing, None)
     valid = reference.valid_rows(targets, ignore_index)
     index = torch.where(valid, targets, 0).unsqueeze(1)
-    target_logit = z.gather(1, index).squeeze(1)
-    mean = z.mean(dim=-1) if label_smoothing else None
-    row_max = z.amax(dim=-1, keepdim=True)
-    probs = z.sub_(row_max).exp_()
-    total = probs.sum(dim=-1, keepdim=True)
-    lse = total.log().squeeze(1) + row_max.squeeze(1)
-    loss = (1.0 - label_smoothing) * (lse - target_logit)
-    if mean is not None:
-        loss = loss + label_smoothing * (lse - mean)
-    grad = probs.div_(total)
-    grad.scatter_add_(1, index, torch.full_like(target_logit, -(1.0 - label_smoothing)).unsqueeze(1))
+    grad = z.div_(sums.unsqueeze(1))  # z held exp(z − max): now the softmax
+    grad.scatter_add_(1, index, torch.full_like(sums, -(1.0 - label_smoothing)).unsqueeze(1))
     if label_smoothing:
         grad.sub_(label_smoothing / vocab)
     if slope is not None:
         grad.mul_(slope)
     grad.mul_(valid.unsqueeze(1))
-    return torch.where(valid, loss, 0.0).sum(), grad
+    return loss.sum(), grad
 
 
 @reference_op("cce_rowwise")

@@ -31,7 +31,9 @@ from lowerings.cce.op import _check_inputs, _reduce, input_gradients, save_for_b
 def row_terms(
     logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (0 on ignored rows) and log-sum-exp of [rows, V] logits, in the compute dtype."""
+    """Per-row loss (0 on ignored rows) and log-sum-exp of [rows, V] logits, in the compute dtype: the functional
+    twin of ``reference.row_terms_`` for the traced CUDA body, written without in-place updates of a copy so that
+    Inductor can fuse the upcast into the reductions."""
     z = logits.to(reference.compute_dtype(logits.dtype))
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
@@ -41,24 +43,6 @@ def row_terms(
     loss = (1.0 - label_smoothing) * (lse - target_logit)
     if label_smoothing:
         loss = loss + label_smoothing * (lse - z.mean(dim=-1))
-    return torch.where(valid, loss, 0.0), lse
-
-
-def _row_terms_in_place(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``row_terms`` with one buffer: the fp32 copy of the rows becomes their exponentials in place."""
-    z = logits.to(reference.compute_dtype(logits.dtype), copy=True)
-    if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
-    valid = reference.valid_rows(targets, ignore_index)
-    target_logit = z.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
-    mean = z.mean(dim=-1) if label_smoothing else None
-    row_max = z.amax(dim=-1, keepdim=True)
-    lse = z.sub_(row_max).exp_().sum(dim=-1).log_().add_(row_max.squeeze(1))
-    loss = (1.0 - label_smoothing) * (lse - target_logit)
-    if mean is not None:
-        loss = loss + label_smoothing * (lse - mean)
     return torch.where(valid, loss, 0.0), lse
 
 
@@ -74,9 +58,8 @@ def cce_rows_from_logits(
     step = reference.chunk_rows(vocab, n_rows, 0, logits.dtype, softcap=softcap is not None)
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
-        losses[rows], lse[rows] = _row_terms_in_place(
-            logits[rows], targets[rows], ignore_index, label_smoothing, softcap
-        )
+        z = logits[rows].to(reference.compute_dtype(logits.dtype), copy=True)  # the chunk's one buffer
+        losses[rows], lse[rows], _ = reference.row_terms_(z, targets[rows], ignore_index, label_smoothing, softcap)
     return losses, lse
 
 
