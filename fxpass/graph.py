@@ -268,6 +268,12 @@ def cast_to(add: Callable[..., fx.Node], node: fx.Node, dtype: torch.dtype) -> f
     return node if value is None or value.dtype == dtype else add("call_method", "to", node, dtype)
 
 
+def position_in(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    """A key giving each node of ``graph`` its place in graph order (for ``min``/``sorted`` over nodes)."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
 def erase_unused(nodes: Iterable[fx.Node]) -> None:
     """Erase those of ``nodes`` left without users (users are erased before the nodes they read).
 

@@ -40,6 +40,7 @@ from fxpass.graph import (
     is_call,
     is_method,
     is_param_transpose,
+    position_in,
     tensor_value,
     view_kind,
 )
@@ -462,16 +463,15 @@ def _outside_users(candidate: CceMatch) -> list[fx.Node]:
 
 def _insertion_point(candidate: CceMatch) -> fx.Node:
     """Where the fused op goes: before the loss, or before an earlier outside use of the logits."""
-    later_than = {node: index for index, node in enumerate(candidate.loss.node.graph.nodes)}
-    return min([candidate.loss.node, *_outside_users(candidate)], key=later_than.__getitem__)
+    return min([candidate.loss.node, *_outside_users(candidate)], key=position_in(candidate.loss.node.graph))
 
 
 def _inputs_after(candidate: CceMatch, point: fx.Node) -> fx.Node | None:
     """The first of the fused op's inputs that the graph computes at or after ``point``, if any."""
-    order = {node: index for index, node in enumerate(point.graph.nodes)}
+    position = position_in(point.graph)
     inputs = (candidate.hidden, candidate.weight, candidate.bias, candidate.loss.targets)
-    late = [node for node in inputs if isinstance(node, fx.Node) and order[node] >= order[point]]
-    return min(late, key=order.__getitem__) if late else None
+    late = [node for node in inputs if isinstance(node, fx.Node) and position(node) >= position(point)]
+    return min(late, key=position) if late else None
 
 
 # --- decide -----------------------------------------------------------------------------------------------

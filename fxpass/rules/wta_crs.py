@@ -38,6 +38,7 @@ from fxpass.graph import (
     is_call,
     is_method,
     is_param_transpose,
+    position_in,
     tensor_value,
     view_kind,
 )
@@ -251,7 +252,7 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
     candidate = dataclasses.replace(
         candidate, input=_current(candidate.input), period_source=_current(candidate.period_source)
     )
-    first = min(candidate.nodes, key=_position_in(graph))
+    first = min(candidate.nodes, key=position_in(graph))
     fake_mode = fake_mode_of([candidate.input, first])
 
     def add(op: str, target: Any, *args: Any) -> fx.Node:
@@ -324,11 +325,6 @@ def _period_arg(add, candidate: WtaMatch):
         return 1
     constant = shapes.constant(source.shape[-2])
     return constant if constant is not None else add("call_method", "size", candidate.period_source, -2)
-
-
-def _position_in(graph: fx.Graph):
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 RULE = Rule(name=NAME, match=match, decide=decide, apply=apply)
