@@ -529,10 +529,12 @@ def _needs(candidate: CceMatch) -> tuple[bool, bool, bool]:
     """Which of hidden, weight and bias the backward will want a gradient for (nothing without a backward)."""
     if not tensor_value(candidate.loss.node).requires_grad:
         return False, False, False
-    wants = [tensor_value(node) is not None and tensor_value(node).requires_grad
-             for node in (candidate.hidden, candidate.weight)]
-    wants.append(candidate.bias is not None and tensor_value(candidate.bias).requires_grad)
-    return wants[0], wants[1], wants[2]
+
+    def wants(node: fx.Node | None) -> bool:
+        value = tensor_value(node) if node is not None else None
+        return value is not None and value.requires_grad
+
+    return wants(candidate.hidden), wants(candidate.weight), wants(candidate.bias)
 
 
 def memory_model(candidate: CceMatch, assume_device: str | None = None, variant: str = "chunked") -> shapes.MemoryModel:
