@@ -19,6 +19,7 @@ RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
 INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")
+ATTENTION_KERNELS: tuple[str, ...] = ("auto", "memopt")
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
 ENV_DISABLE = "MEMOPT_DISABLE"
@@ -30,6 +31,7 @@ ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
 ENV_CCE_FILTER = "MEMOPT_CCE_FILTER_EPS"
 ENV_ASSUME_DEVICE = "MEMOPT_ASSUME_DEVICE"
 ENV_CCE_VARIANT = "MEMOPT_CCE_VARIANT"
+ENV_ATTENTION_KERNEL = "MEMOPT_ATTENTION_KERNEL"
 
 
 class ConfigError(ValueError):
@@ -65,6 +67,11 @@ class Config:
             forward to backward) or "auto" (the rule weighs the two by memory and FLOPs: see
             ``fxpass/rules/cce.py``). "chunked" is the default: on the H200 the row-wise op, PyTorch ops around
             cuBLAS GEMMs, took 68.7 ms where the chunked one took 32.3 (BENCHMARKS.md), FLOPs notwithstanding.
+        attention_kernel: which kernel computes a rewritten attention on CUDA: "auto" (default) takes cuDNN's
+            fused attention (``aten._scaled_dot_product_cudnn_attention``, which accepts a causal flag and a key
+            bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always
+            takes memopt's kernel. On the H200 cuDNN was the faster of the two in every case it serves
+            (BENCHMARKS.md, "Which kernel serves which attention").
     """
 
     inner_compiler: str = "inductor"
@@ -79,6 +86,7 @@ class Config:
     cce_filter_eps: float | str | None = None
     assume_device: str | None = None
     cce_variant: str = "chunked"
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
@@ -99,6 +107,8 @@ class Config:
             raise ConfigError(f"assume_device must be one of {DEVICE_TYPES} or None, got {self.assume_device!r}")
         if self.cce_variant not in CCE_VARIANTS:
             raise ConfigError(f"cce_variant must be one of {CCE_VARIANTS}, got {self.cce_variant!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ConfigError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
         if not all(isinstance(name, str) for name in self.disable):
             raise ConfigError(f"disable must name rules, got {sorted(map(repr, self.disable))}")
         if self.inner_compiler not in INNER_COMPILERS:
@@ -177,6 +187,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["assume_device"] = device
     if env.get(ENV_CCE_VARIANT):
         values["cce_variant"] = env[ENV_CCE_VARIANT].strip().lower()
+    if env.get(ENV_ATTENTION_KERNEL):
+        values["attention_kernel"] = env[ENV_ATTENTION_KERNEL].strip().lower()
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):

@@ -16,6 +16,12 @@ the op returns their gradient.
 ``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left alone, with the reason
 recorded, unless they are handed a materialized mask whose structure is proved: a causal one becomes
 ``is_causal=True``, a padding one a [B, 1, 1, Tk] mask, and causal ∧ padding ``memopt.flash_attention``.
+
+On CUDA the rewritten attention runs cuDNN's fused kernel wherever it serves the case (fp16/bf16, head dim a
+multiple of 8 up to 128, no mask beyond causal ∧ key padding; ``choose_kernel``): it takes a causal flag and a
+[B, 1, 1, Tk] key bias together, which the public SDPA refuses, and it was faster than memopt's Triton kernel in
+every such case measured. Everything else (learned or arbitrary biases, fp32, other head dims, CPU) runs
+``memopt.flash_attention``.
 """
 
 from __future__ import annotations
@@ -164,6 +170,14 @@ SDPA_FUSED = "F.scaled_dot_product_attention is already a fused kernel with O(T)
 
 
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+CUDNN_LOWERING = "aten._scaled_dot_product_cudnn_attention (cuDNN)"
+CUDNN_WHY = "cuDNN's fused attention: faster than memopt's kernel in every case it serves on the H200 (BENCHMARKS.md)"
+# The fill of a masked key in cuDNN's bias: finite, so that a row whose every key is masked stays finite (its
+# output is replaced below, and a NaN there would reach dk and dv in the backward); float16's lowest value,
+# representable in bfloat16 too, underflows exp beside any real score and does not overflow fp32 times log2(e).
+CUDNN_MASK_FILL = -65504.0
+# cuDNN reads the bias's rows at this alignment (elements); a key count off it gets a padded bias.
+CUDNN_BIAS_ALIGNMENT = 8
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
@@ -686,7 +700,59 @@ def _heads_divide(q: torch.Tensor, k: torch.Tensor) -> bool:
 def decide(candidate: AttentionMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
-    return decide_on_saving(memory_model(candidate, config.assume_device), config, _what(candidate))
+    kernel, why = choose_kernel(candidate, config)
+    decision = decide_on_saving(memory_model(candidate, config.assume_device, kernel), config, _what(candidate))
+    params: dict[str, Any] = {"lowering": CUDNN_LOWERING} if kernel == "cudnn" else {}
+    if why:
+        params["kernel_reason"] = why
+    return dataclasses.replace(decision, params=params)
+
+
+def choose_kernel(candidate: AttentionMatch, config: Config) -> tuple[str, str]:
+    """The kernel that computes the rewritten attention, and why: "cudnn", "memopt" (``memopt.flash_attention``)
+    or "sdpa" (an SDPA call kept, with an O(B·T) mask in place of its T×T one). The reason is empty where there
+    was nothing to weigh (SDPA with ``is_causal`` or no mask, a graph off CUDA), so such records read as before."""
+    otherwise = "sdpa" if candidate.sdpa_mask is not None else "memopt"  # SDPA without a T×T mask stays SDPA
+    device = tensor_value(candidate.q).device
+    if candidate.sdpa_mask in ("is_causal", "none") or device.type != "cuda":
+        return otherwise, ""
+    if config.attention_kernel == "memopt":
+        return otherwise, "attention_kernel='memopt'"
+    blocker = _cudnn_platform_blocker(device) or cudnn_case_blocker(candidate)
+    if blocker is not None:
+        return otherwise, f"cuDNN does not serve it: {blocker}"
+    return "cudnn", CUDNN_WHY
+
+
+def _cudnn_platform_blocker(device: torch.device) -> str | None:
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp(False))"
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < 90000:
+        return f"cuDNN {version} is older than 9"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "the GPU is older than sm80"
+    return None
+
+
+def cudnn_case_blocker(candidate: AttentionMatch) -> str | None:
+    """Why cuDNN's fused attention cannot compute this case exactly as the replaced code did, or None."""
+    q, k = tensor_value(candidate.q), tensor_value(candidate.k)
+    dtype = candidate.compute_dtype or q.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    head_dim = shapes.constant(q.shape[-1])
+    if head_dim is None or head_dim % 8 or head_dim > 128:
+        return f"head dim {shapes.render(q.shape[-1])} is not a multiple of 8 up to 128"
+    if candidate.biases or candidate.bias_from_mask is not None or candidate.bias_rows:
+        return "a bias other than key padding (learned, or a mask not proved) stays with memopt's kernel"
+    if math.isnan(candidate.dropout_p) or math.isnan(candidate.scale):
+        return "dropout or scale is not a constant"
+    if candidate.causal and not statically_known_true(q.shape[-2] == k.shape[-2]):
+        return "causal with a query count that may differ from the key count"
+    if candidate.key_masks and shapes.constant(k.shape[-2]) is None:
+        return "the key count is symbolic, and the key bias needs a row stride aligned to 8"
+    return None
 
 
 def _what(candidate: AttentionMatch) -> str:
@@ -704,12 +770,17 @@ def _what(candidate: AttentionMatch) -> str:
     return what + (f"; {candidate.mask_note}" if candidate.mask_note else "")
 
 
-def memory_model(candidate: AttentionMatch, assume_device: str | None = None) -> shapes.MemoryModel:
-    """What softmax and the two matmuls keep for backward, against the flash op's log-sum-exp."""
+def memory_model(
+    candidate: AttentionMatch, assume_device: str | None = None, kernel: str = "memopt"
+) -> shapes.MemoryModel:
+    """What softmax and the two matmuls keep for backward, against the flash op's log-sum-exp (cuDNN keeps the
+    same log-sum-exp, ``kernel="cudnn"`` adds what its call costs beside: ``_cudnn_terms``)."""
     from lowerings.flash_attention.op import working_set
 
     if _is_sdpa(candidate.softmax):
-        return _sdpa_memory_model(candidate, assume_device)
+        model = _sdpa_memory_model(candidate, assume_device)
+        return shapes.MemoryModel(model.before, {**model.after, **_cudnn_terms(candidate)}) \
+            if kernel == "cudnn" else model
 
     probs = tensor_value(candidate.softmax)
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
@@ -729,6 +800,8 @@ def memory_model(candidate: AttentionMatch, assume_device: str | None = None) ->
         batch, heads, q.shape[-2], k.shape[-2], device, dtype=q.dtype, head_dim=q.shape[-1], kv_heads=k.shape[-3]
     )
     after.update(_key_mask_terms(candidate))
+    if kernel == "cudnn":
+        after.update(_cudnn_terms(candidate))
     if len(candidate.biases) + (candidate.bias_from_mask is not None) > 1:
         after["transient: the additive terms summed into one bias (at most [B, H, Tq, Tk])"] = scores * q.dtype.itemsize
     if any(tensor_value(term).requires_grad for term in candidate.biases):
@@ -743,15 +816,15 @@ def memory_model(candidate: AttentionMatch, assume_device: str | None = None) ->
 
 
 def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None:
-    del config
     graph = gm.graph
     output = candidate.output
     fake_mode = fake_mode_of([output, candidate.q])
+    kernel, _ = choose_kernel(candidate, config)
 
     def add(op: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
         return insert_node(graph, op, target, args, kwargs, meta_from=output, fake_mode=fake_mode)
 
-    if candidate.sdpa_mask is not None:
+    if kernel == "sdpa":
         with graph.inserting_before(output):
             result = _sdpa_with_mask_structure(add, candidate)
         output.replace_all_uses_with(result)
@@ -763,37 +836,21 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
             q, k, v = (cast_to(add, t, candidate.compute_dtype) for t in (q, k, v))
         if candidate.three_d:
             q, k, v = (add("call_method", "unsqueeze", t, 0) for t in (q, k, v))
-        terms = list(candidate.biases)
         keep = _key_keep(add, candidate.key_masks) if candidate.key_masks else None
-        if keep is not None:  # key padding as 0 / -inf: the rows it empties give 0, replaced below if need be
-            terms.append(add("call_function", torch.where, keep, 0.0, float("-inf")))
-        if candidate.bias_from_mask is not None:
-            mask, fill, fill_where_true = candidate.bias_from_mask
-            values = (float(fill), 0.0) if fill_where_true else (0.0, float(fill))
-            terms.append(add("call_function", torch.where, mask, *values))
-        bias = terms[0] if terms else None
-        for term in terms[1:]:
-            bias = add("call_function", operator.add, bias, term)
-        if bias is not None and tensor_value(bias).dtype != tensor_value(q).dtype:
-            bias = add("call_method", "to", bias, tensor_value(q).dtype)
-        fused = add(
-            "call_function",
-            torch.ops.memopt.flash_attention.default,
-            q,
-            k,
-            v,
-            bias,
-            float(candidate.scale),
-            candidate.causal,
-            float(candidate.dropout_p),
-        )
-        result = add("call_function", operator.getitem, fused, 0)
-        if (keep is not None or candidate.bias_rows) and candidate.empty_rows != EMPTY_ZERO:
+        if kernel == "cudnn":
+            result = _cudnn_attention(add, candidate, q, k, v, keep)
+        else:
+            result = _memopt_attention(add, candidate, q, k, v, keep)
+        replaced = keep is not None and (kernel == "cudnn" or candidate.empty_rows != EMPTY_ZERO)
+        if replaced or (candidate.bias_rows and candidate.empty_rows != EMPTY_ZERO):
             if keep is not None:
                 empty = _rows_without_keys(add, keep, candidate.causal)
             else:
                 empty = _rows_hidden_whole(add, *candidate.bias_rows)
-            fix = _eager_keyless_rows(add, q, k, v, candidate.scale, candidate.empty_rows == EMPTY_MEAN_GRAD)
+            if candidate.empty_rows == EMPTY_ZERO:
+                fix = 0.0
+            else:
+                fix = _eager_keyless_rows(add, q, k, v, candidate.scale, candidate.empty_rows == EMPTY_MEAN_GRAD)
             result = add("call_function", torch.where, empty, fix, result)
         if candidate.three_d:
             result = add("call_method", "squeeze", result, 0)
@@ -802,6 +859,78 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
             result = add("call_method", "to", result, wanted)
     output.replace_all_uses_with(result)
     erase_unused([*candidate.chain, *_inputs_left_dead(candidate), *_mask_construction(candidate)])
+
+
+def _memopt_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v: fx.Node, keep) -> fx.Node:
+    """``memopt.flash_attention`` with every additive term summed into one bias; key padding is 0 / -inf, so the
+    rows it empties give 0 (replaced by the caller where the replaced code gave something else)."""
+    terms = list(candidate.biases)
+    if keep is not None:
+        terms.append(add("call_function", torch.where, keep, 0.0, float("-inf")))
+    if candidate.bias_from_mask is not None:
+        mask, fill, fill_where_true = candidate.bias_from_mask
+        values = (float(fill), 0.0) if fill_where_true else (0.0, float(fill))
+        terms.append(add("call_function", torch.where, mask, *values))
+    bias = terms[0] if terms else None
+    for term in terms[1:]:
+        bias = add("call_function", operator.add, bias, term)
+    if bias is not None and tensor_value(bias).dtype != tensor_value(q).dtype:
+        bias = add("call_method", "to", bias, tensor_value(q).dtype)
+    fused = add(
+        "call_function",
+        torch.ops.memopt.flash_attention.default,
+        q,
+        k,
+        v,
+        bias,
+        float(candidate.scale),
+        candidate.causal,
+        float(candidate.dropout_p),
+    )
+    return add("call_function", operator.getitem, fused, 0)
+
+
+def _cudnn_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v: fx.Node, keep) -> fx.Node:
+    """cuDNN's fused attention with the causal flag and the key padding as a [B, H, Tq, Tk] view of a
+    [B, 1, 1, Tk] bias (stride 0 over heads and queries; its rows padded to cuDNN's alignment). Grouped heads
+    are repeated, as ``repeat_kv`` would."""
+    groups = 1 if candidate.three_d else _groups(q, k)
+    k, v = _repeat_heads(add, k, groups), _repeat_heads(add, v, groups)
+    bias = None
+    if keep is not None:
+        dtype = tensor_value(q).dtype
+        bias = add("call_method", "to", add("call_function", torch.where, keep, 0.0, CUDNN_MASK_FILL), dtype)
+        keys = shapes.constant(tensor_value(k).shape[-2])
+        pad = -keys % CUDNN_BIAS_ALIGNMENT
+        if pad:
+            bias = add("call_function", F.pad, bias, (0, pad))
+            bias = add("call_function", operator.getitem, bias, (Ellipsis, slice(None, keys)))
+        sizes = [_size(add, q, 0), _size(add, q, 1), _size(add, q, 2), _size(add, k, 2)]
+        bias = add("call_method", "expand", bias, *sizes)
+    fused = add(
+        "call_function",
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+        q,
+        k,
+        v,
+        bias,
+        True,
+        float(candidate.dropout_p),
+        candidate.causal,
+        False,
+        scale=float(candidate.scale),
+    )
+    return add("call_function", operator.getitem, fused, 0)
+
+
+def _groups(q: fx.Node, k: fx.Node) -> int:
+    return shapes.constant(tensor_value(q).shape[1]) // shapes.constant(tensor_value(k).shape[1])
+
+
+def _size(add, node: fx.Node, dim: int) -> int | fx.Node:
+    """A dimension as a constant, or the node that reads it (symbolic sizes cannot be graph constants)."""
+    size = shapes.constant(tensor_value(node).shape[dim])
+    return size if size is not None else add("call_method", "size", node, dim)
 
 
 def _sdpa_with_mask_structure(add, candidate: AttentionMatch) -> fx.Node:
@@ -859,7 +988,7 @@ def _eager_keyless_rows(add, q: fx.Node, k: fx.Node, v: fx.Node, scale: float, w
     zeros = add("call_function", torch.zeros_like, first_column)
     uniform = add("call_function", torch.softmax, add("call_method", "transpose", zeros, -1, -2), -1)  # [B, Hk, 1, Tk]
     mean = add("call_function", torch.matmul, uniform, v)
-    groups = shapes.constant(tensor_value(q).shape[1]) // shapes.constant(tensor_value(k).shape[1])
+    groups = _groups(q, k)
     fix = _repeat_heads(add, mean, groups)
     if with_grad:
         centered = add("call_function", operator.sub, v, mean)
@@ -908,6 +1037,9 @@ def _read_only_by_attention(mask: fx.Node) -> bool:
     )
 
 
+_ROWS_REPLACED = "transient: the output with its rows without keys replaced [B, Hq, Tq, D]"
+
+
 def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
     """What the O(B·T) replacement of a padding mask costs: the key bias, and the rows that see no key."""
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
@@ -915,7 +1047,23 @@ def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
     if candidate.key_masks:
         terms["transient: the key mask [B, 1, 1, Tk]"] = q.shape[0] * k.shape[-2] * q.dtype.itemsize
     if candidate.sdpa_mask is None and candidate.empty_rows != EMPTY_ZERO:
-        terms["transient: rows without keys replaced by the mean of v [B, Hq, Tq, D]"] = shapes.nbytes(q)
+        terms[_ROWS_REPLACED] = shapes.nbytes(q)
+    return terms
+
+
+def _cudnn_terms(candidate: AttentionMatch) -> dict[str, Any]:
+    """What the cuDNN call adds: k and v repeated for grouped query heads (it takes none), and the output copy
+    in which rows without keys are replaced (its finite mask fill leaves them uniform, never zero)."""
+    q, k = tensor_value(candidate.q), tensor_value(candidate.k)
+    itemsize = (candidate.compute_dtype or q.dtype).itemsize
+    terms: dict[str, Any] = {}
+    groups = 1 if candidate.three_d else shapes.constant(q.shape[1]) // shapes.constant(k.shape[1])
+    if groups > 1:
+        terms["saved: k and v repeated for the query heads (cuDNN takes no grouped heads)"] = (
+            2 * groups * shapes.numel(k) * itemsize
+        )
+    if candidate.key_masks:
+        terms[_ROWS_REPLACED] = shapes.numel(q) * itemsize
     return terms
 
 

@@ -47,6 +47,7 @@ class TestDefaults:
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
             "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps", "assume_device", "cce_variant",
+            "attention_kernel",
         }
 
 
@@ -138,6 +139,17 @@ class TestEnvironment:
     def test_assume_device_invalid(self):
         with pytest.raises(ConfigError, match="MEMOPT_ASSUME_DEVICE must be one of"):
             Config.from_options({}, env={"MEMOPT_ASSUME_DEVICE": "tpu"})
+
+    def test_attention_kernel(self):
+        assert Config().attention_kernel == "auto"
+        assert Config.from_options({}, env={"MEMOPT_ATTENTION_KERNEL": " Memopt "}).attention_kernel == "memopt"
+        assert Config.from_options({"attention_kernel": "auto"}, env={"MEMOPT_ATTENTION_KERNEL": "memopt"}) \
+            .attention_kernel == "auto"  # the option wins over the environment
+
+    @pytest.mark.parametrize("value", ["cudnn", "flash", ""])
+    def test_attention_kernel_invalid(self, value):
+        with pytest.raises(ConfigError, match="attention_kernel must be one of"):
+            Config.from_options({"attention_kernel": value}, env={})
 
 
 class TestOptions:

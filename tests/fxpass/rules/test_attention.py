@@ -568,3 +568,70 @@ def test_hf_t5_learned_position_bias_and_causal_decoder():
     assert any("relative_attention_bias" in n and g is not None and g.abs().sum() > 0
                for n, g in zip(names, actual_grads, strict=True))
     assert_close_all(actual_grads, expected_grads, rtol=1e-4, atol=1e-5)
+
+
+def _candidate(fn, *inputs):
+    """The one attention match Dynamo's graph of ``fn`` holds."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from fxpass.graph import GraphFacts
+    from fxpass.rules import attention
+
+    torch._dynamo.reset()
+    recorder = EagerAndRecordGraphs()
+    torch.compile(fn, backend=recorder, fullgraph=True)(*inputs)
+    (gm,) = recorder.graphs
+    (found,) = attention.match(GraphFacts(gm))
+    return found
+
+
+class TestKernelChoice:
+    """Which kernel computes a rewritten attention: cuDNN where it serves the case on CUDA, memopt's elsewhere.
+    The case checks are device-independent, so they are pinned here; the CUDA path runs in test_cuda_attention."""
+
+    def causal(self, q, k, v, bias=None):
+        t = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        if bias is not None:
+            scores = scores + bias
+        scores = scores.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+    def test_cudnn_serves_bf16_causal(self):
+        from fxpass.rules.attention import cudnn_case_blocker
+
+        candidate = _candidate(self.causal, *_qkv(dim=64, dtype=torch.bfloat16))
+        assert candidate.blocker is None and candidate.causal
+        assert cudnn_case_blocker(candidate) is None
+
+    @pytest.mark.parametrize(
+        ("dim", "dtype", "reason"),
+        [
+            (64, torch.float32, "it takes float16 and bfloat16, not float32"),
+            (12, torch.float16, "head dim 12 is not a multiple of 8 up to 128"),
+            (256, torch.bfloat16, "head dim 256 is not a multiple of 8 up to 128"),
+        ],
+    )
+    def test_cases_cudnn_does_not_serve(self, dim, dtype, reason):
+        from fxpass.rules.attention import cudnn_case_blocker
+
+        assert cudnn_case_blocker(_candidate(self.causal, *_qkv(dim=dim, dtype=dtype))) == reason
+
+    def test_a_learned_bias_stays_with_memopt(self):
+        from fxpass.rules.attention import cudnn_case_blocker
+
+        bias = torch.randn(1, H, T, T, dtype=torch.bfloat16, requires_grad=True)
+        candidate = _candidate(self.causal, *_qkv(dim=64, dtype=torch.bfloat16), bias)
+        assert "a bias other than key padding" in cudnn_case_blocker(candidate)
+
+    def test_off_cuda_the_memopt_kernel_with_nothing_recorded(self):
+        from fxpass.config import Config
+        from fxpass.rules.attention import choose_kernel
+
+        candidate = _candidate(self.causal, *_qkv(dim=64, dtype=torch.bfloat16))
+        assert choose_kernel(candidate, Config()) == ("memopt", "")
+        assert choose_kernel(candidate, Config(attention_kernel="memopt")) == ("memopt", "")
+        explanation = rewritten(self.causal, *_qkv(dim=64, dtype=torch.bfloat16))
+        (record,) = _attention_records(explanation)
+        assert record.applied and record.params["lowering"] == "memopt.flash_attention"
+        assert "kernel_reason" not in record.params
