@@ -893,9 +893,8 @@ def _memopt_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v:
 def _cudnn_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v: fx.Node, keep) -> fx.Node:
     """cuDNN's fused attention with the causal flag and the key padding as a [B, H, Tq, Tk] view of a
     [B, 1, 1, Tk] bias (stride 0 over heads and queries; its rows padded to cuDNN's alignment). Grouped heads
-    are repeated, as ``repeat_kv`` would."""
-    groups = 1 if candidate.three_d else _groups(q, k)
-    k, v = _repeat_heads(add, k, groups), _repeat_heads(add, v, groups)
+    are passed as they are: cuDNN reads each key/value head for its group of query heads (checked on the H200
+    against repeated heads: identical outputs)."""
     bias = None
     if keep is not None:
         dtype = tensor_value(q).dtype
@@ -1052,16 +1051,11 @@ def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
 
 
 def _cudnn_terms(candidate: AttentionMatch) -> dict[str, Any]:
-    """What the cuDNN call adds: k and v repeated for grouped query heads (it takes none), and the output copy
-    in which rows without keys are replaced (its finite mask fill leaves them uniform, never zero)."""
-    q, k = tensor_value(candidate.q), tensor_value(candidate.k)
+    """What the cuDNN call adds: the output copy in which rows without keys are replaced (its finite mask fill
+    leaves them uniform, never zero)."""
+    q = tensor_value(candidate.q)
     itemsize = (candidate.compute_dtype or q.dtype).itemsize
     terms: dict[str, Any] = {}
-    groups = 1 if candidate.three_d else shapes.constant(q.shape[1]) // shapes.constant(k.shape[1])
-    if groups > 1:
-        terms["saved: k and v repeated for the query heads (cuDNN takes no grouped heads)"] = (
-            2 * groups * shapes.numel(k) * itemsize
-        )
     if candidate.key_masks:
         terms[_ROWS_REPLACED] = shapes.numel(q) * itemsize
     return terms

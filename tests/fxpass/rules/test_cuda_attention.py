@@ -1,5 +1,5 @@
 """The rewritten attention on CUDA: cuDNN's fused kernel wherever it serves the case (causal flag, key padding,
-dropout, grouped heads, a key count off cuDNN's alignment), with eager's numbers against float64, rows without
+dropout, grouped heads unrepeated, a key count off cuDNN's alignment), with eager's numbers against float64, rows without
 keys as eager gives them, no T×T tensor; memopt's kernel where cuDNN does not serve or is not wanted."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _sdpa(q, k, v, pad, causal):
 def _run(fn, inputs, grad, **options):
     torch._dynamo.reset()
     fxpass.clear_reports()
-    compiled = torch.compile(fn, backend="memopt", options={"strict": True, **options})
+    compiled = torch.compile(fn, backend="memopt", options={"strict": True, "force": True, **options})
     out = compiled(*inputs)
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
@@ -151,7 +151,7 @@ def test_dropout_is_unbiased_and_finite():
     fn = lambda q, k, v, pad: _eager(q, k, v, pad, "added finfo.min", True, dropout=0.1)  # noqa: E731
     torch._dynamo.reset()
     fxpass.clear_reports()
-    compiled = torch.compile(fn, backend="memopt", options={"strict": True})
+    compiled = torch.compile(fn, backend="memopt", options={"strict": True, "force": True})
     draws = torch.stack([compiled(q, k, v, pad).float() for _ in range(400)])
     (record,) = [r for report in fxpass.reports() for r in report.records if r.rule == "attention"]
     assert record.params["lowering"] == CUDNN_LOWERING and record.params["dropout_p"] == 0.1
@@ -176,7 +176,7 @@ def test_no_tt_tensor_at_length_2048():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    compiled = torch.compile(fn, backend="memopt", options={"strict": True})
+    compiled = torch.compile(fn, backend="memopt", options={"strict": True, "force": True})
     torch.autograd.grad(compiled(q, k, v, pad), (q, k, v), grad)
     torch.cuda.synchronize()
     square = batch * H * length * length * 2
