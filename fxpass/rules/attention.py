@@ -550,9 +550,14 @@ def _fill_as(fill: float, mask: torch.Tensor | None) -> float:
 
 
 def _is_zero(value: Any) -> bool:
+    """0, or a 0-d zero tensor: ``torch.zeros(())`` or ``torch.tensor(0.0)`` (transformers 5.17's eager_mask)."""
     if isinstance(value, int | float):
         return value == 0
-    return isinstance(value, fx.Node) and is_call(value, torch.zeros) and tensor_value(value).dim() == 0
+    if not isinstance(value, fx.Node) or tensor_value(value) is None or tensor_value(value).dim() != 0:
+        return False
+    if is_call(value, torch.tensor):
+        return bool(value.args) and isinstance(value.args[0], int | float) and value.args[0] == 0
+    return is_call(value, torch.zeros)
 
 
 def _scale_step(node: fx.Node):
@@ -701,7 +706,7 @@ def decide(candidate: AttentionMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
     kernel, why = choose_kernel(candidate, config)
-    decision = decide_on_saving(memory_model(candidate, config.assume_device, kernel), config, _what(candidate))
+    decision = decide_on_saving(memory_model(candidate, config.assume_device), config, _what(candidate))
     params: dict[str, Any] = {"lowering": CUDNN_LOWERING} if kernel == "cudnn" else {}
     if why:
         params["kernel_reason"] = why
@@ -770,17 +775,14 @@ def _what(candidate: AttentionMatch) -> str:
     return what + (f"; {candidate.mask_note}" if candidate.mask_note else "")
 
 
-def memory_model(
-    candidate: AttentionMatch, assume_device: str | None = None, kernel: str = "memopt"
-) -> shapes.MemoryModel:
+def memory_model(candidate: AttentionMatch, assume_device: str | None = None) -> shapes.MemoryModel:
     """What softmax and the two matmuls keep for backward, against the flash op's log-sum-exp (cuDNN keeps the
-    same log-sum-exp, ``kernel="cudnn"`` adds what its call costs beside: ``_cudnn_terms``)."""
+    same). Replacing the rows without keys in the output (``torch.where``) is not charged: Inductor fuses it
+    into the copy that the heads' transpose and reshape make anyway."""
     from lowerings.flash_attention.op import working_set
 
     if _is_sdpa(candidate.softmax):
-        model = _sdpa_memory_model(candidate, assume_device)
-        return shapes.MemoryModel(model.before, {**model.after, **_cudnn_terms(candidate)}) \
-            if kernel == "cudnn" else model
+        return _sdpa_memory_model(candidate, assume_device)
 
     probs = tensor_value(candidate.softmax)
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
@@ -800,8 +802,6 @@ def memory_model(
         batch, heads, q.shape[-2], k.shape[-2], device, dtype=q.dtype, head_dim=q.shape[-1], kv_heads=k.shape[-3]
     )
     after.update(_key_mask_terms(candidate))
-    if kernel == "cudnn":
-        after.update(_cudnn_terms(candidate))
     if len(candidate.biases) + (candidate.bias_from_mask is not None) > 1:
         after["transient: the additive terms summed into one bias (at most [B, H, Tq, Tk])"] = scores * q.dtype.itemsize
     if any(tensor_value(term).requires_grad for term in candidate.biases):
@@ -1047,17 +1047,6 @@ def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
         terms["transient: the key mask [B, 1, 1, Tk]"] = q.shape[0] * k.shape[-2] * q.dtype.itemsize
     if candidate.sdpa_mask is None and candidate.empty_rows != EMPTY_ZERO:
         terms[_ROWS_REPLACED] = shapes.nbytes(q)
-    return terms
-
-
-def _cudnn_terms(candidate: AttentionMatch) -> dict[str, Any]:
-    """What the cuDNN call adds: the output copy in which rows without keys are replaced (its finite mask fill
-    leaves them uniform, never zero)."""
-    q = tensor_value(candidate.q)
-    itemsize = (candidate.compute_dtype or q.dtype).itemsize
-    terms: dict[str, Any] = {}
-    if candidate.key_masks:
-        terms[_ROWS_REPLACED] = shapes.numel(q) * itemsize
     return terms
 
 
