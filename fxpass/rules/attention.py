@@ -732,6 +732,8 @@ def choose_kernel(candidate: AttentionMatch, config: Config) -> tuple[str, str]:
 def _cudnn_platform_blocker(device: torch.device) -> str | None:
     if not torch.backends.cuda.cudnn_sdp_enabled():
         return "cuDNN attention is disabled (torch.backends.cuda.enable_cudnn_sdp(False))"
+    if torch.are_deterministic_algorithms_enabled():  # SDPA skips cuDNN then too
+        return "deterministic algorithms are on, and cuDNN's attention backward is not deterministic"
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if version is None or version < 90000:
         return f"cuDNN {version} is older than 9"
