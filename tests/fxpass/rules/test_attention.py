@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
@@ -640,3 +641,28 @@ class TestKernelChoice:
         (record,) = _attention_records(explanation)
         assert record.applied and record.params["lowering"] == "memopt.flash_attention"
         assert "kernel_reason" not in record.params
+
+    def test_platform_checks_come_before_the_device(self):
+        """Deterministic algorithms and a disabled cuDNN SDPA keep memopt's kernel, whatever the GPU."""
+        from fxpass.rules.attention import _cudnn_platform_blocker
+
+        cuda = torch.device("cuda")
+        with _deterministic():
+            assert "deterministic" in _cudnn_platform_blocker(cuda)
+        enabled = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        try:
+            assert "disabled" in _cudnn_platform_blocker(cuda)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+
+@contextlib.contextmanager
+def _deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
