@@ -706,7 +706,7 @@ def decide(candidate: AttentionMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
     kernel, why = choose_kernel(candidate, config)
-    decision = decide_on_saving(memory_model(candidate, config.assume_device), config, _what(candidate))
+    decision = decide_on_saving(memory_model(candidate, config.assume_device), config, _what(candidate, kernel))
     params: dict[str, Any] = {"lowering": CUDNN_LOWERING} if kernel == "cudnn" else {}
     if why:
         params["kernel_reason"] = why
@@ -762,17 +762,19 @@ def cudnn_case_blocker(candidate: AttentionMatch) -> str | None:
     return None
 
 
-def _what(candidate: AttentionMatch) -> str:
+def _what(candidate: AttentionMatch, kernel: str) -> str:
     """What the rewrite does, for the record's reason."""
-    if candidate.sdpa_mask is not None:
+    if kernel == "sdpa":
         what = f"the [B, 1, Tq, Tk] mask is no longer built: {_SDPA_LOWERINGS[candidate.sdpa_mask]}"
     elif _is_sdpa(candidate.softmax):
-        what = "the [B, 1, Tq, Tk] mask is no longer built: memopt.flash_attention, causal flag and key-padding bias"
+        name = "cuDNN attention" if kernel == "cudnn" else "memopt.flash_attention"
+        what = f"the [B, 1, Tq, Tk] mask is no longer built: {name}, " + (
+            "causal flag and key-padding bias" if candidate.causal else "key-padding bias")
     else:
         what = "attention probabilities never stored" + (" (causal mask as a flag)" if candidate.causal else "")
         if candidate.key_masks:
             what += " (key padding as a [B, 1, 1, Tk] bias)"
-    if candidate.key_masks and candidate.empty_rows != EMPTY_ZERO and candidate.sdpa_mask is None:
+    if candidate.key_masks and candidate.empty_rows != EMPTY_ZERO and kernel != "sdpa":
         what += f"; rows without keys give the {candidate.empty_rows}, as eager does"
     return what + (f"; {candidate.mask_note}" if candidate.mask_note else "")
 
