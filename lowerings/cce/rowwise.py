@@ -13,17 +13,22 @@ That is 6·N·D·V FLOPs against the V-chunked op's 8 (its backward recomputes t
 GEMMs on CUDA, at the price of keeping ∂E [N, D], ∂C [V, D] (fp32) and ∂b from forward to backward; the
 rule charges them and picks this variant only where they are worth it (``fxpass/rules/cce.py``).
 
-Both devices run the same PyTorch code in an opaque op (its chunk loop must not be traced: it would guard on
-the number of rows). Gradients the graph does not need are not computed (``need_*`` come from the rule).
+Both devices run the op's chunk loop in an opaque op (it must not be traced: it would guard on the number of
+rows). On CUDA a Triton kernel (``rowwise_kernel.py``) takes a chunk's loss terms and gradient in two reads and
+one write of its logits, where the PyTorch path (CPU, and a bias that wants its gradient) makes about eight
+fp32 passes. Gradients the graph does not need are not computed (``need_*`` come from the rule).
 """
 
 from __future__ import annotations
 
 import torch
 
-from lowerings._library import reference_op
+from lowerings._library import HAS_TRITON, on_cuda, reference_op
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs
+
+if HAS_TRITON:
+    from lowerings.cce.rowwise_kernel import row_gradient_
 
 SCALAR_REDUCTIONS = ("mean", "sum")
 # A chunk of rows holds its logits and their fp32 copy within 1/FRACTION of the N×V logits, under CHUNK_BYTES
@@ -86,6 +91,12 @@ def _chunk_gradient(
     return loss.sum(), grad
 
 
+def _kernel_serves(hidden: torch.Tensor, grad_bias: torch.Tensor) -> bool:
+    """The chunk kernel (``rowwise_kernel.py``) replaces the PyTorch chunk path on CUDA for 16-bit and fp32
+    inputs, unless the bias wants its gradient (an fp32 column sum the kernel does not form)."""
+    return HAS_TRITON and on_cuda(hidden) and hidden.dtype != torch.float64 and not grad_bias.numel()
+
+
 @reference_op("cce_rowwise")
 def cce_rowwise(
     hidden: torch.Tensor,
@@ -115,20 +126,25 @@ def cce_rowwise(
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
     step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type))
+    fused = _kernel_serves(hidden, grad_bias)
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         logits = torch.nn.functional.linear(hidden[rows], weight, bias)
-        chunk_loss, grad = _chunk_gradient(logits, targets[rows], ignore_index, label_smoothing, softcap)
-        total += chunk_loss
-        grad.mul_(grad_scale)
-        low = logits.copy_(grad) if grad.dtype != logits.dtype else grad  # GEMM operands in the input dtype
+        if fused:  # loss terms and the scaled gradient in one kernel, over the logits in place
+            total += row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale).sum()
+            low = logits
+        else:
+            chunk_loss, grad = _chunk_gradient(logits, targets[rows], ignore_index, label_smoothing, softcap)
+            total += chunk_loss
+            grad.mul_(grad_scale)
+            low = logits.copy_(grad) if grad.dtype != logits.dtype else grad  # GEMM operands in the input dtype
         if need_hidden:
             torch.mm(low, weight, out=grad_hidden[rows])
         if need_weight and acc == hidden.dtype:
             grad_weight.addmm_(low.t(), hidden[rows])
         elif need_weight:  # one rounding of the chunk's product, then an fp32 sum over chunks
             grad_weight.add_(low.t() @ hidden[rows])
-        if grad_bias.numel():
+        if grad_bias.numel():  # (never with the kernel: ``_kernel_serves``)
             grad_bias += grad.sum(dim=0)
     return total * scale, grad_hidden, grad_weight, grad_bias
 

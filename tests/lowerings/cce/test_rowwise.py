@@ -122,3 +122,23 @@ def test_working_set_charges_the_saved_gradients():
     saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
     assert saved == 1024 * 768 * 2 + 50000 * 768 * 4
     assert rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda") == 1024 * 50000 * 2 // 8 // (50000 * 6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(("smoothing", "softcap"), [(0.0, None), (0.1, 4.0)])
+def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
+    """The op with its CUDA chunk kernel (here through Triton's interpreter, forced on): fp32 loss and gradients
+    equal float64 math, over ragged chunks; bf16 stays within eager's error."""
+    from lowerings._library import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(rowwise, "_kernel_serves", lambda hidden, grad_bias: not grad_bias.numel())
+    monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
+    leaves, targets = _inputs(torch.float32, bias=False)
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    loss, expected = _ours(leaves, targets, reduction, smoothing, softcap), _eager(exact, targets, reduction,
+                                                                                   smoothing, softcap)
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    for mine, wanted in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, exact), strict=True):
+        torch.testing.assert_close(mine.double(), wanted, rtol=1e-4, atol=1e-6)
