@@ -53,9 +53,13 @@ def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, ne
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
     rows = chunk_rows(n_rows, vocab, dtype, device.type)
-    terms: dict[str, object] = {
-        "transient: one chunk of logits and their fp32 copy [rows, V]": rows * chunk_bytes_per_row(vocab, dtype),
-    }
+    terms: dict[str, object] = {}
+    if HAS_TRITON and device.type == "cuda" and dtype != torch.float64 and not need_bias:  # the chunk kernel
+        terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
+            rows * vocab * dtype.itemsize
+        )
+    else:
+        terms["transient: one chunk of logits and their fp32 copy [rows, V]"] = rows * chunk_bytes_per_row(vocab, dtype)
     if need_weight and dtype.itemsize < acc:
         terms["transient: a chunk's ∂C product [V, D] before its fp32 sum"] = vocab * dim * dtype.itemsize
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * dim * acc if need_weight else 0)
