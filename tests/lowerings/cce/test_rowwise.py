@@ -121,14 +121,22 @@ def test_working_set_charges_the_saved_gradients():
     terms = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cuda"), (True, True, False))
     saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
     assert saved == 1024 * 768 * 2 + 50000 * 768 * 4
-    assert rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda") == 1024 * 50000 * 2 // 8 // (50000 * 6)
+    rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda")
+    assert rows == 1024 * 50000 * 2 // 8 // (50000 * 6)
+    chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
+    if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place
+        assert chunk == {"transient: one chunk of logits, turned into their gradient in place [rows, V]": rows * 50000 * 2}
+    cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
+    assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == (
+        rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu") * 50000 * 6
+    )
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize(("smoothing", "softcap"), [(0.0, None), (0.1, 4.0)])
 def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
     """The op with its CUDA chunk kernel (here through Triton's interpreter, forced on): fp32 loss and gradients
-    equal float64 math, over ragged chunks; bf16 stays within eager's error."""
+    equal float64 math, over ragged chunks."""
     from lowerings._library import HAS_TRITON
 
     if not HAS_TRITON:
