@@ -17,9 +17,8 @@ Only the linears form an opaque op: sampling and the backward are ordinary PyTor
 into the compiled graphs, so Inductor fuses them and no per-op Python runs at training time. The draw itself
 (winners, then draws with replacement) is ``memopt::wta_crs_draw``, a ``triton_op``: on CUDA one Triton
 program that Inductor emits as is, where the sorted PyTorch rule took a top-k and about fifteen launches.
-Randomness comes from torch's generator, through the opaque ``memopt::wta_crs_uniforms`` (one ``torch.rand``
-per group, also when compiled): fresh draws each step, reproducible under ``torch.manual_seed``, fixed
-shapes.
+Randomness comes from torch's generator (Inductor's when compiled): fresh draws each step, reproducible
+under ``torch.manual_seed``, fixed shapes, CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -68,29 +67,9 @@ def sample(
     k = reference.sample_size(rows, budget)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(reference.positions_of(rows, period, x.device))
     scores = reference.sampling_scores(_row_norms(x), grad_estimate)
-    uniforms = torch.ops.memopt.wta_crs_uniforms(scores, k)
+    uniforms = torch.rand(k, device=x.device)
     index, weight = torch.ops.memopt.wta_crs_draw(scores, uniforms, winners)
     return index, _gather_rows(x, index, weight)
-
-
-@torch.library.custom_op(
-    "memopt::wta_crs_uniforms", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
-)
-def wta_crs_uniforms(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``k`` uniforms in [0, 1) from torch's generator, on the device of ``scores``.
-
-    Opaque on purpose: Inductor bakes each ``torch.rand`` call's seed index into its kernel's source, so the
-    uniforms of otherwise identical WTA-CRS groups compiled one kernel each (18 for GPT-2-medium), a large part
-    of WTA-CRS's compile time. Here they are one eager ``torch.rand`` per group. The group's own ``scores``
-    keeps the calls distinct (no two are merged as common subexpressions), and the ``nondeterministic_seeded``
-    tag makes AOTAutograd treat the op as random: never recomputed in the backward, and replayed with the saved
-    generator state inside checkpointed regions."""
-    return torch.rand(k, device=scores.device)
-
-
-@wta_crs_uniforms.register_fake
-def _(scores, k):
-    return scores.new_empty(k, dtype=torch.float32)
 
 
 @device_op("wta_crs_draw")

@@ -319,28 +319,3 @@ def test_compiled_step_saves_the_sample_instead_of_the_inputs(inner):
     exact, sampled = saved_bytes({}), saved_bytes({"wta_crs_budget": 0.3})
     whole_inputs = 4096 * (256 + 1024) * 2  # the bf16 LayerNorm and GELU outputs
     assert exact - sampled >= 0.65 * whole_inputs, (exact, sampled)
-
-
-def test_uniforms_compile_no_random_kernel():
-    """Each group's uniforms come from the opaque ``memopt::wta_crs_uniforms``, one call per group, so Inductor
-    compiles no random kernel for them (it compiled one per group from ``torch.rand``: see the op's docstring);
-    fresh uniforms on every step, reproducible under ``torch.manual_seed``."""
-    from torch._inductor.utils import run_and_get_code
-
-    block, x = _block_inputs()
-    step = torch.compile(lambda x: block(x).sum(), backend=fxpass.MemoptBackend(options=ON | {"force": True}))
-    _, codes = run_and_get_code(step, x)
-    code = "\n".join(codes)
-    groups = sum(r.applied for r in fxpass.reports()[-1].records if r.rule == "wta_crs")
-    calls = code.count("= torch.ops.memopt.wta_crs_uniforms.default(")
-    assert groups == 4 and calls == groups, (groups, calls)
-    assert "inductor_random" not in code and "inductor_seeds" not in code
-
-    def sampled_grad(seed):  # from the same gradient-norm estimates (each backward updates them)
-        reset_estimates()
-        torch.manual_seed(seed)
-        (grad,) = torch.autograd.grad(step(x), [block.fc.weight])
-        return grad
-
-    assert torch.equal(sampled_grad(1), sampled_grad(1))
-    assert not torch.equal(sampled_grad(1), sampled_grad(2))
