@@ -1,7 +1,7 @@
 """Which kernel should serve each attention case: memopt's Triton kernel against the library kernels that accept
 the same semantics, timed and checked side by side in one run.
 
-    python benchmarks/attention_dispatch.py --out $OUT/attention_dispatch          # GPU
+    python benchmarks/attention_dispatch.py --time-limit 400 --out $OUT/attention_dispatch    # GPU
 
 Cases: the shapes of issue 14 (B, H, T, d), causal or not, dropout 0 or 0.1, with or without a per-sequence key
 padding bias ([B, 1, 1, Tk], as memopt's mask proofs produce it), bf16 and fp16. q, k and v are strided views of
@@ -209,13 +209,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SHAPES))
     parser.add_argument("--dtypes", default="bfloat16,float16")
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds: past them no case starts")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
+    deadline = None if args.time_limit is None else time.perf_counter() + args.time_limit
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     rows = []
     for case in all_cases(shapes, args.dtypes.split(",")):
+        if deadline is not None and time.perf_counter() > deadline:
+            log.info("--time-limit reached: %s and the cases after it not measured", case.name)
+            break
         rows.append(measure(case))
         log.info("%s: %s fastest %s", case.name, rows[-1]["tflops"], rows[-1]["fastest"])
         (args.out / "attention_dispatch.json").write_text(json.dumps(rows, indent=1))
