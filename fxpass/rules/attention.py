@@ -719,8 +719,13 @@ def choose_kernel(candidate: AttentionMatch, config: Config) -> tuple[str, str]:
     was nothing to weigh (SDPA with ``is_causal`` or no mask, a graph off CUDA), so such records read as before."""
     otherwise = "sdpa" if candidate.sdpa_mask is not None else "memopt"  # SDPA without a T×T mask stays SDPA
     device = tensor_value(candidate.q).device
-    if candidate.sdpa_mask in ("is_causal", "none") or device.type != "cuda":
+    if candidate.sdpa_mask in ("is_causal", "none"):
         return otherwise, ""
+    if device.type != "cuda":  # assume_device="cuda" answers for a GPU: what would compute it there
+        if config.assume_device != "cuda" or config.attention_kernel == "memopt":
+            return otherwise, ""
+        blocker = cudnn_case_blocker(candidate)
+        return otherwise, "on CUDA: cuDNN's attention" if blocker is None else f"on CUDA: memopt's kernel ({blocker})"
     if config.attention_kernel == "memopt":
         return otherwise, "attention_kernel='memopt'"
     blocker = _cudnn_platform_blocker(device) or cudnn_case_blocker(candidate)

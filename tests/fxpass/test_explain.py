@@ -214,6 +214,11 @@ def test_hf_models_decide_on_the_cpu_as_on_the_gpu(name):
     assert _decisions(cpu) == _decisions(gpu) == [("cce", True), ("attention", True), ("attention", True)]
     for record in cpu.records + gpu.records:
         assert 0 < record.saved_bytes_hint < 1 << 20
+    for record in (r for r in gpu.records if r.rule == "attention"):  # what would compute it on a GPU, and why
+        assert record.params["kernel_reason"] == (
+            "on CUDA: memopt's kernel (it takes float16 and bfloat16, not float32)"
+        ), record.params
+    assert all("kernel_reason" not in r.params for r in cpu.records)
     torch.testing.assert_close(cpu.result, step(ids, labels))
 
 

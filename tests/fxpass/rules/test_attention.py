@@ -642,6 +642,18 @@ class TestKernelChoice:
         assert record.applied and record.params["lowering"] == "memopt.flash_attention"
         assert "kernel_reason" not in record.params
 
+    def test_assumed_cuda_says_which_kernel_would_compute_it(self):
+        """``assume_device="cuda"`` on a CPU-only machine: the record says what a GPU would run; the graph still
+        runs memopt's op here."""
+        inputs = _qkv(dim=64, dtype=torch.bfloat16)
+        ex = fxpass.explain(self.causal, *inputs, options={"force": True}, assume_device="cuda")
+        (record,) = _attention_records(ex)
+        assert record.params["kernel_reason"] == "on CUDA: cuDNN's attention"
+        assert record.params["lowering"] == "memopt.flash_attention"
+        ex = fxpass.explain(self.causal, *inputs, options={"force": True, "attention_kernel": "memopt"},
+                            assume_device="cuda")
+        assert "kernel_reason" not in _attention_records(ex)[0].params
+
     def test_platform_checks_come_before_the_device(self):
         """Deterministic algorithms and a disabled cuDNN SDPA keep memopt's kernel, whatever the GPU."""
         from fxpass.rules.attention import _cudnn_platform_blocker
