@@ -1,4 +1,5 @@
-"""Attention subgraphs become ``memopt.flash_attention``: no B·H·Tq·Tk scores or probabilities are kept.
+"""Attention subgraphs become one fused attention (``memopt.flash_attention``, or cuDNN's on CUDA; below): no
+B·H·Tq·Tk scores or probabilities are kept.
 
 The pattern is found from ``softmax(dim=-1)`` outwards: before it, an optional mask, an optional scale and
 ``q @ kᵀ`` (matmul, bmm or einsum); after it, an optional cast and dropout, then ``@ v``. Forms covered:
@@ -185,7 +186,8 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
     """An SDPA call is worth rewriting only when it is handed a materialized mask whose structure is proved: the
     mask (and its construction) is replaced by O(B·T) facts. A causal mask becomes ``is_causal=True`` and a
     padding mask a [B, 1, 1, Tk] one, both kept in SDPA (its flash/cuDNN kernels are the fastest for them);
-    causal ∧ padding, which SDPA cannot take without a T×T mask, becomes ``memopt.flash_attention``."""
+    causal ∧ padding, which SDPA cannot take without a T×T mask, becomes a fused attention with the causal flag
+    and a key bias (``choose_kernel``: cuDNN's on CUDA where it serves, else ``memopt.flash_attention``)."""
     bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
     mask = bound.get("attn_mask") if bound else None
     if bound is None or not isinstance(mask, fx.Node) or bound["is_causal"] is not False:
