@@ -12,8 +12,7 @@ tensor. ``lse`` is the fp32 log-sum-exp per query; ``seed`` the dropout seed dra
 Autograd saves q, k, v, bias, out, lse and the seed, never the Tq×Tk probabilities.
 
 On CUDA forward and backward are Triton kernels that Inductor emits (``kernels.py``, a ``triton_op``); on
-CPU ATen's flash-attention kernel where it serves the case (no dropout, no grouped heads) and the block-by-block
-PyTorch reference (``reference.py``) elsewhere.
+CPU both are the block-by-block PyTorch reference (``reference.py``).
 """
 
 from __future__ import annotations
@@ -83,24 +82,11 @@ def _full_bias(bias, q, k):
     return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-def _aten_cpu_serves(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
-    """Whether ATen's CPU flash-attention kernel computes this case: no dropout (it has none), one key head per
-    query head (no grouped heads), nothing empty. It takes the causal flag and an additive bias together, keeps
-    the same log-sum-exp as ``reference`` (0 rather than -inf on rows without keys, where both give 0), and on
-    2 cores ran a [4, 12, 512, 64] forward + backward in 0.6× the block reference's time."""
-    return dropout_p == 0 and q.shape[1] == k.shape[1] and q.numel() > 0 and k.numel() > 0
-
-
 @reference_op("flash_attention_reference")
 def flash_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
     dropout_p: float, seed: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _aten_cpu_serves(q, k, dropout_p):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=_full_bias(bias, q, k), scale=scale
-        )
-        return out.contiguous(), lse.to(reference.compute_dtype(q.dtype)).contiguous()
     return reference.forward(q, k, v, bias, scale, causal, dropout_p, int(seed.item()))
 
 
@@ -115,11 +101,6 @@ def flash_attention_backward_reference(
     lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _aten_cpu_serves(q, k, dropout_p) and not bias_grad:
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=_full_bias(bias, q, k), scale=scale
-        )
-        return (*(g.contiguous() for g in grads), q.new_empty(0))
     dq, dk, dv, dbias = reference.backward(
         q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, int(seed.item()), bias_grad
     )
