@@ -933,10 +933,6 @@ def _cudnn_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v: 
     return add("call_function", operator.getitem, fused, 0)
 
 
-def _groups(q: fx.Node, k: fx.Node) -> int:
-    return shapes.constant(tensor_value(q).shape[1]) // shapes.constant(tensor_value(k).shape[1])
-
-
 def _size(add, node: fx.Node, dim: int) -> int | fx.Node:
     """A dimension as a constant, or the node that reads it (symbolic sizes cannot be graph constants)."""
     size = shapes.constant(tensor_value(node).shape[dim])
@@ -998,7 +994,7 @@ def _eager_keyless_rows(add, q: fx.Node, k: fx.Node, v: fx.Node, scale: float, w
     zeros = add("call_function", torch.zeros_like, first_column)
     uniform = add("call_function", torch.softmax, add("call_method", "transpose", zeros, -1, -2), -1)  # [B, Hk, 1, Tk]
     mean = add("call_function", torch.matmul, uniform, v)
-    groups = _groups(q, k)
+    groups = shapes.constant(tensor_value(q).shape[1]) // shapes.constant(tensor_value(k).shape[1])
     fix = _repeat_heads(add, mean, groups)
     if with_grad:
         centered = add("call_function", operator.sub, v, mean)
@@ -1047,9 +1043,6 @@ def _read_only_by_attention(mask: fx.Node) -> bool:
     )
 
 
-_ROWS_REPLACED = "transient: the output with its rows without keys replaced [B, Hq, Tq, D]"
-
-
 def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
     """What the O(B·T) replacement of a padding mask costs: the key bias, and the rows that see no key."""
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
@@ -1057,7 +1050,7 @@ def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
     if candidate.key_masks:
         terms["transient: the key mask [B, 1, 1, Tk]"] = q.shape[0] * k.shape[-2] * q.dtype.itemsize
     if candidate.sdpa_mask is None and candidate.empty_rows != EMPTY_ZERO:
-        terms[_ROWS_REPLACED] = shapes.nbytes(q)
+        terms["transient: rows without keys replaced by the mean of v [B, Hq, Tq, D]"] = shapes.nbytes(q)
     return terms
 
 
