@@ -23,3 +23,9 @@ def as_fp32(value):
     when they equal 1); an fp64 scale would promote a kernel's running fp32 statistics to fp64 mid-loop, which
     Triton rejects for loop-carried values."""
     return tl.cast(value, tl.float32)
+
+
+@triton.jit
+def tanh(x):
+    """tanh(x) = 2·sigmoid(2x) − 1, the one spelling the CCE kernels share."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0

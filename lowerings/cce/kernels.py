@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from lowerings._library import interpreting, launchable
-from lowerings._triton import as_fp32, exact_fp32_products
+from lowerings._triton import as_fp32, exact_fp32_products, tanh
 
 # Columns of ∂loss/∂logits materialized per backward chunk (N × columns in the input dtype): at most
 # CHUNK_COLUMNS, fewer when N is large so that a chunk stays within CHUNK_BYTES (but at least MIN_COLUMNS).
@@ -38,11 +38,6 @@ MIN_COLUMNS = 512
 FORWARD_SPLIT_COLUMNS = 16384
 
 
-
-
-@triton.jit
-def _tanh(x):
-    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
 
 @triton.jit
@@ -80,7 +75,7 @@ def _logit_tile(
         acc = acc.to(E.dtype.element_ty).to(tl.float32)
     capped = acc
     if HAS_SOFTCAP:
-        capped = _tanh(acc / softcap)
+        capped = tanh(acc / softcap)
         acc = capped * softcap
     return acc, capped
 

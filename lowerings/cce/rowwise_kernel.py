@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowerings._triton import as_fp32
+from lowerings._triton import as_fp32, tanh
 
 BLOCK_V = 2048
 
@@ -24,7 +24,7 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
     """(softcapped logits, tanh(x / c)) in fp32; tanh(x / c) is 0 without a softcap."""
     x = x.to(tl.float32)
     if HAS_SOFTCAP:
-        t = 2.0 * tl.sigmoid(2.0 * (x / softcap)) - 1.0
+        t = tanh(x / softcap)
         return softcap * t, t
     return x, tl.zeros_like(x)
 
