@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings._library import HAS_TRITON, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, reference_op
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs
 
@@ -48,13 +48,19 @@ def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str):
     return torch.sym_max(1, torch.sym_min(n_rows, share // chunk_bytes_per_row(vocab, dtype)))
 
 
+def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> bool:
+    """The chunk kernel (``rowwise_kernel.py``) replaces the PyTorch chunk path on CUDA for 16-bit and fp32
+    inputs, unless the bias wants its gradient (an fp32 column sum the kernel does not form)."""
+    return HAS_TRITON and device_type == "cuda" and dtype != torch.float64 and not bias_grad
+
+
 def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, needs=(True, True, False)):
     """Bytes the op keeps beyond its inputs and the loss, by name, for the rule's memory model."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
     rows = chunk_rows(n_rows, vocab, dtype, device.type)
     terms: dict[str, object] = {}
-    if HAS_TRITON and device.type == "cuda" and dtype != torch.float64 and not need_bias:  # the chunk kernel
+    if _kernel_serves(device.type, dtype, bias_grad=need_bias):
         terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
             rows * vocab * dtype.itemsize
         )
@@ -95,12 +101,6 @@ def _chunk_gradient(
     return loss.sum(), grad
 
 
-def _kernel_serves(hidden: torch.Tensor, grad_bias: torch.Tensor) -> bool:
-    """The chunk kernel (``rowwise_kernel.py``) replaces the PyTorch chunk path on CUDA for 16-bit and fp32
-    inputs, unless the bias wants its gradient (an fp32 column sum the kernel does not form)."""
-    return HAS_TRITON and on_cuda(hidden) and hidden.dtype != torch.float64 and not grad_bias.numel()
-
-
 @reference_op("cce_rowwise")
 def cce_rowwise(
     hidden: torch.Tensor,
@@ -130,7 +130,7 @@ def cce_rowwise(
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
     step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type))
-    fused = _kernel_serves(hidden, grad_bias)
+    fused = _kernel_serves(hidden.device.type, hidden.dtype, bias_grad=bool(grad_bias.numel()))
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         logits = torch.nn.functional.linear(hidden[rows], weight, bias)

@@ -141,7 +141,7 @@ def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
 
     if not HAS_TRITON:
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(rowwise, "_kernel_serves", lambda hidden, grad_bias: not grad_bias.numel())
+    monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype, bias_grad: not bias_grad)
     monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
     leaves, targets = _inputs(torch.float32, bias=False)
     exact = [t.detach().double().requires_grad_() for t in leaves]
