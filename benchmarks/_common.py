@@ -12,7 +12,7 @@ import torch
 
 from fxpass.report import error_note
 
-__all__ = ["cuda_peak", "error_note", "header", "release_memory", "write_report"]
+__all__ = ["cpu_peak", "cuda_peak", "error_note", "header", "release_memory", "write_report"]
 
 T = TypeVar("T")
 
@@ -36,6 +36,36 @@ def cuda_peak(fn: Callable[[], T]) -> tuple[T, int, int]:
     result = fn()
     torch.cuda.synchronize()
     return result, torch.cuda.max_memory_allocated(), before
+
+
+def allocation_events(prof) -> list[tuple[int, int, int]]:
+    """(time ns, pointer, bytes) of every CPU allocation (bytes > 0) and free (bytes < 0) a
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order."""
+    from torch._C._profiler import _EventType
+
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
+        stack.extend(node.children)
+    return sorted(found)
+
+
+def cpu_peak(fn: Callable[[], T]) -> tuple[T, int]:
+    """Run ``fn`` once under the profiler's allocator events: (its result, the most bytes it had allocated at once
+    beyond what was allocated before it), the CPU twin of ``cuda_peak``'s peak minus before. Frees of tensors from
+    before ``fn`` count too, as they do on CUDA (gradients replaced, say)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    live = peak = 0
+    for _, _, size in allocation_events(prof):
+        live += size
+        peak = max(peak, live)
+    return result, peak
 
 
 def header(title: str, device: torch.device) -> str:

@@ -4,10 +4,11 @@
 
 Each case compiles the same model (built from a config, no download) the way users do, once per backend,
 in one process, and measures one forward + backward (no optimizer; fp32 weights under bf16 autocast by
-default, bf16 weights with ``--precision bf16``): the median step time after warm-up,
-tokens/s, the peak memory above what was allocated before the step (weights and their gradients from the
-previous step) and the first call's time (compilation included). The table puts memopt beside
-torch.compile with the ratios memopt / torch.compile.
+default, bf16 weights with ``--precision bf16``): the median step time after warm-up, with the two backends'
+steps alternating so that drift reaches both alike, tokens/s, the peak memory above what was allocated before
+the step (weights and their gradients from the previous step; on CPU from the profiler's allocator events) and
+the first call's time (compilation included). The table puts memopt beside torch.compile with the ratios
+memopt / torch.compile.
 
 Flows:
 - ``loss_only``: ``torch.compile(lambda ids, labels: model(...).loss)``, the step that returns only the loss;
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import cuda_peak, error_note, header, release_memory, write_report
+from benchmarks._common import cpu_peak, cuda_peak, error_note, header, release_memory, write_report
 
 MODELS = ("gpt2", "llama-1b")
 FLOWS = ("loss_only", "whole_model", "padded")
@@ -124,8 +125,8 @@ def compiled_step(model, flow: str, backend: str, inner: str, options: dict | No
     return lambda ids, labels, mask: whole(input_ids=ids, labels=labels, attention_mask=mask).loss
 
 
-def measure(row: Row, model, step: Callable, batch, steps: int, device: torch.device, autocast: bool) -> Row:
-    import fxpass
+def training_step(model, step: Callable, batch, device: torch.device, autocast: bool) -> Callable[[], torch.Tensor]:
+    """One forward + backward of ``step`` on ``batch``, from zeroed (kept) gradients."""
 
     def one_step():
         model.zero_grad(set_to_none=False)
@@ -134,56 +135,99 @@ def measure(row: Row, model, step: Callable, batch, steps: int, device: torch.de
         loss.backward()
         return loss
 
+    return one_step
+
+
+def first_call(row: Row, one_step: Callable, device: torch.device) -> None:
+    """Compile (the first call, timed) and record which rewrites memopt applied; then one more step, so that
+    gradients exist and every measured step starts from the same state."""
+    import fxpass
+
     fxpass.clear_reports()
     start = time.perf_counter()
     one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _synchronize(device)
     row.first_call_s = time.perf_counter() - start
     final = {report.graph_id: report for report in fxpass.reports()}.values()
     applied = [record.rule for report in final for record in report.records if record.applied]
     row.rewrites = ", ".join(f"{rule}×{applied.count(rule)}" for rule in sorted(set(applied)))
-    one_step()  # gradients exist from here on, so every measured step starts from the same state
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            one_step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            begin_s = time.perf_counter()
-            one_step()
-            times.append((time.perf_counter() - begin_s) * 1e3)
-    row.step_ms = statistics.median(times)
+    one_step()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_ms(one_step: Callable, device: torch.device) -> float:
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        one_step()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end)
+    begin_s = time.perf_counter()
+    one_step()
+    return (time.perf_counter() - begin_s) * 1e3
+
+
+def peak_mib(one_step: Callable, device: torch.device) -> float:
+    """One step's peak above what was allocated before it (the allocator's events on CPU)."""
     if device.type == "cuda":
         _, peak, before = cuda_peak(one_step)
-        row.peak_mib = (peak - before) / 2**20
-    return row
+        return (peak - before) / 2**20
+    _, peak = cpu_peak(one_step)
+    return peak / 2**20
 
 
-def run_case(name, attention, dropout, flow, backend, args, device, checkpointing: str = "off") -> Row:
-    torch.manual_seed(0)
-    model = build_model(name, attention, dropout, args.tiny, checkpointing == "on").to(device)
-    if args.precision == "bf16":
-        model = model.to(torch.bfloat16)
+def measure_interleaved(steps: int, prepared: list[tuple[Row, Callable]], device: torch.device) -> None:
+    """The backends' steps alternate (tc, memopt, tc, memopt, …), so that a machine's drift (a shared CPU's
+    neighbours, clocks) reaches both medians alike; then each backend's peak. A backend that fails here gets its
+    error and leaves the rotation; the other is still measured."""
+    times: dict[int, list[float]] = {id(row): [] for row, _ in prepared}
+    active = list(prepared)
+    for _ in range(steps):
+        for row, one_step in list(active):
+            try:
+                times[id(row)].append(step_ms(one_step, device))
+            except Exception as error:  # an out-of-memory step of one backend must not end the other's
+                row.error = error_note(error)
+                active.remove((row, one_step))
+    for row, one_step in active:
+        row.step_ms = statistics.median(times[id(row)])
+        row.peak_mib = peak_mib(one_step, device)
+
+
+def run_case(name, attention, dropout, flow, args, device, checkpointing: str = "off") -> list[Row]:
+    """Both backends' rows of one case: each compiles its own copy of the model (same seed), then their measured
+    steps alternate (``measure_interleaved``)."""
     seq = args.seq or (2048 if name == "llama-1b" else 1024)
     size = args.batch or (4 if name == "llama-1b" else 16)
     if args.tiny:
         seq, size = min(seq, 64), min(size, 2)
-    batch = make_batch(model.config.vocab_size, size, seq, flow == "padded", device)
-    row = Row(name, attention, dropout, flow, backend, tokens=size * seq, checkpointing=checkpointing)
+    rows, prepared = [], []
     try:
-        step = compiled_step(model, flow, backend, args.inner, json.loads(args.memopt_options))
-        measure(row, model, step, batch, args.steps, device, args.precision == "autocast")
-    except Exception as error:  # one failing case must not end the table
-        row.error = error_note(error)
+        for backend in BACKENDS:
+            torch.manual_seed(0)
+            model = build_model(name, attention, dropout, args.tiny, checkpointing == "on").to(device)
+            if args.precision == "bf16":
+                model = model.to(torch.bfloat16)
+            batch = make_batch(model.config.vocab_size, size, seq, flow == "padded", device)
+            row = Row(name, attention, dropout, flow, backend, tokens=size * seq, checkpointing=checkpointing)
+            rows.append(row)
+            try:
+                step = compiled_step(model, flow, backend, args.inner, json.loads(args.memopt_options))
+                one_step = training_step(model, step, batch, device, args.precision == "autocast")
+                first_call(row, one_step, device)
+                prepared.append((row, one_step))
+            except Exception as error:  # one failing case must not end the table
+                row.error = error_note(error)
+        measure_interleaved(args.steps, prepared, device)
     finally:
-        del model
+        prepared.clear()
         release_memory()
-    return row
+    return rows
 
 
 def _ratio(ours: float | None, theirs: float | None) -> str:
@@ -246,9 +290,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
             for dropout in args.dropout.split(","):
                 for checkpointing in args.checkpointing.split(","):
                     for flow in args.flows.split(","):
-                        for backend in BACKENDS:
-                            rows.append(run_case(name, attention, dropout, flow, backend, args, device, checkpointing))
-                            line = json.dumps(dataclasses.asdict(rows[-1]))
+                        for row in run_case(name, attention, dropout, flow, args, device, checkpointing):
+                            rows.append(row)
+                            line = json.dumps(dataclasses.asdict(row))
                             print(line, flush=True)
                             with progress.open("a") as log:
                                 log.write(line + "\n")

@@ -183,11 +183,20 @@ def backward(
     ``grad_logits`` [N, V], when given, is the gradient of logits the forward returned (``cce_with_logits``);
     it joins each chunk's logit gradient, so it costs no GEMM of its own.
 
+    fp32 and fp64 inputs walk tiles of rows × vocabulary columns (``_backward_by_columns``); 16-bit inputs walk
+    chunks of whole rows, so that each row's hidden-state gradient is one GEMM over the whole vocabulary rounded
+    once, as eager's.
+
     ``grad_rows`` is the upstream gradient of each row's loss (already scaled by the reduction and zero
     on ignored rows). Weight and bias gradients accumulate in the compute dtype (fp32 for 16-bit inputs).
     An input whose entry in ``needs`` is False gets an empty gradient. Each chunk's probabilities become its
     logit gradient in place, in one buffer (two with a softcap, whose chain rule needs tanh(x/c) too).
     """
+    if hidden.dtype == weight.dtype == compute_dtype(hidden.dtype):
+        return _backward_by_columns(
+            hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
+            grad_logits,
+        )
     (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     need_hidden, need_weight, need_bias = needs
     grad_hidden = hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0)
@@ -242,3 +251,84 @@ def _hidden_grad_into(out: torch.Tensor, dlogits: torch.Tensor, weight: torch.Te
         torch.mm(dlogits, weight, out=out)
     else:
         out.copy_(dlogits.to(weight.dtype) @ weight)
+
+
+# The fewest vocabulary columns a tile of the column-wise backward takes before it gives up rows: the hidden-state
+# gradient's GEMM runs over them.
+MIN_TILE_COLUMNS = 1024
+
+
+def tile_shape(n_rows: int, vocab: int, room: int, per_logit: int, per_row: int) -> tuple[int, int]:
+    """(rows, columns) of a backward tile whose ``per_logit`` bytes per logit and ``per_row`` per row fit ``room``:
+    all rows where MIN_TILE_COLUMNS columns of them fit, so that the classifier-gradient GEMM runs over every row
+    (K = N) and is written once, not accumulated chunk by chunk."""
+    columns = min(vocab, MIN_TILE_COLUMNS)
+    rows = max(1, min(n_rows, room // (columns * per_logit + per_row)))
+    return rows, max(1, min(vocab, (room - rows * per_row) // (rows * per_logit)))
+
+
+def _backward_by_columns(
+    hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
+    grad_logits,
+):
+    """``backward`` for fp32/fp64 inputs over tiles of rows × vocabulary columns (the CUDA kernels' order).
+
+    Row chunks of ~1/8 of the logits make the classifier gradient a sum of [V, rows] × [rows, D] products of
+    small K, each reading and writing all of ∂C; a tile of every row and a slice of the vocabulary gives it one
+    product with K = N per slice instead, and the hidden-state gradient a sum over slices (K = columns)."""
+    (n_rows, dim), vocab = hidden.shape, weight.shape[0]
+    need_hidden, need_weight, need_bias = needs
+    acc = hidden.dtype
+    grad_hidden = hidden.new_zeros(hidden.shape) if need_hidden else hidden.new_empty(0)
+    grad_weight = weight.new_zeros(weight.shape) if need_weight else weight.new_empty(0)
+    grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
+    buffers = 2 if softcap is not None else 1
+    room = chunk_budget(n_rows, vocab, dim, hidden.dtype) - fixed_bytes(
+        vocab, hidden.dtype, bias=bias is not None, backward=True
+    )
+    # A tile's row vectors (upstream scales, targets sorted by column and their order) and the index updates of its
+    # targets are charged at twice the row chunks' per-row allowance.
+    step_rows, step_cols = tile_shape(n_rows, vocab, room, buffers * acc.itemsize, 2 * ROW_SCALARS * acc.itemsize)
+    buffer = _buffer(step_rows * step_cols, hidden, acc)
+    slopes = _buffer(step_rows * step_cols, hidden, acc) if softcap is not None else None
+    bias_dtype, bias = (bias.dtype, bias.to(acc)) if bias is not None else (None, None)
+    for start in range(0, n_rows, step_rows):
+        rows = slice(start, min(start + step_rows, n_rows))
+        count = rows.stop - start
+        target, row_lse = targets[rows], lse[rows].unsqueeze(1)
+        valid = valid_rows(target, ignore_index)
+        g_loss = torch.where(valid, grad_rows[rows].to(acc), 0.0)
+        scale = (grad_rows[rows].to(acc) + grad_lse[rows].to(acc)).unsqueeze(1)
+        onehot_grad = g_loss * -(1.0 - label_smoothing)
+        smoothing = (g_loss * (label_smoothing / vocab)).unsqueeze(1) if label_smoothing else None
+        # Rows in the order of their target's column (ignored rows last), so that each tile finds its targets as
+        # one range and its temporaries scale with them, not with the rows.
+        target_cols, by_column = torch.sort(torch.where(valid, target, vocab))
+        for first in range(0, vocab, step_cols):
+            cols = slice(first, min(first + step_cols, vocab))
+            width = cols.stop - first
+            tile_bias = bias[cols] if bias is not None else None
+            if slopes is None:
+                dlogits = _chunk_logits(hidden[rows], weight[cols], tile_bias, _view(buffer, count, width))
+                slope = None
+            else:  # tanh(x/c) kept for the chain rule; the capped logits c·tanh(x/c) go to the other buffer
+                slope = _chunk_logits(hidden[rows], weight[cols], tile_bias, _view(slopes, count, width))
+                slope.div_(softcap).tanh_()
+                dlogits = torch.mul(slope, softcap, out=_view(buffer, count, width))
+            dlogits.sub_(row_lse).exp_().mul_(scale)  # probabilities × upstream gradient
+            low, high = torch.searchsorted(target_cols, target_cols.new_tensor([first, cols.stop])).tolist()
+            hits = by_column[low:high]
+            dlogits.index_put_((hits, target_cols[low:high] - first), onehot_grad[hits], accumulate=True)
+            if smoothing is not None:
+                dlogits.sub_(smoothing)
+            if slope is not None:
+                dlogits.mul_(slope.mul_(slope).neg_().add_(1.0))  # 1 − tanh²
+            if grad_logits is not None:
+                dlogits.add_(grad_logits[rows, cols])
+            if need_hidden:
+                grad_hidden[rows].addmm_(dlogits, weight[cols])
+            if need_weight:
+                grad_weight[cols].addmm_(dlogits.t(), hidden[rows])
+            if grad_bias is not None:
+                grad_bias[cols].add_(dlogits.sum(dim=0))
+    return grad_hidden, grad_weight, grad_bias.to(bias_dtype) if grad_bias is not None else weight.new_empty(0)

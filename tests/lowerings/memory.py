@@ -10,27 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-
-def _allocations(tree) -> list[tuple[int, int, int]]:
-    """(time, pointer, bytes) of every allocation (bytes > 0) and free (bytes < 0) in the profiler's event tree."""
-    found, stack = [], list(tree)
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            fields = node.extra_fields
-            found.append((node.start_time_ns, fields.ptr, fields.alloc_size))
-        stack.extend(node.children)
-    return sorted(found)
+from benchmarks._common import allocation_events
 
 
 def peak_temporary_bytes(fn: Callable[[], Any]) -> tuple[int, Any]:
     """(the most bytes of temporaries alive at once while ``fn()`` runs, what it returned)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
-    events = _allocations(prof.profiler.kineto_results.experimental_event_tree())
+    events = allocation_events(prof)
     freed, open_at = set(), {}
     for index, (_, ptr, size) in enumerate(events):  # pair each free with the allocation it ends
         if size > 0:

@@ -223,6 +223,9 @@ def test_uint8_targets_like_pytorch():
 # --- chunking ---------------------------------------------------------------------------------------------------
 
 
+TILE_COLUMNS = 7  # vocabulary columns per backward tile, a ragged split of V
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16], ids=["fp64", "bf16", "fp16"])
 @pytest.mark.parametrize("rows_per_chunk", [1, 5, 36])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -242,20 +245,24 @@ def test_chunked_equals_unchunked(monkeypatch, reduction, rows_per_chunk, dtype)
     whole, whole_grads = _loss_and_grads(loss, params)
 
     monkeypatch.setattr(reference, "chunk_rows", lambda *args, **kwargs: rows_per_chunk)
+    monkeypatch.setattr(reference, "tile_shape", lambda *args, **kwargs: (rows_per_chunk, TILE_COLUMNS))
     calls = []
     chunk_logits = reference._chunk_logits
 
-    def spy(hidden, *args):
-        calls.append(hidden.shape[0])
-        return chunk_logits(hidden, *args)
+    def spy(hidden, weight, *args):
+        calls.append((hidden.shape[0], weight.shape[0]))
+        return chunk_logits(hidden, weight, *args)
 
     monkeypatch.setattr(reference, "_chunk_logits", spy)
     chunked_loss, chunked_lse = _cce(h, w, b, t, **options)
     chunked, chunked_grads = _loss_and_grads(chunked_loss, params)
 
     chunks = math.ceil(N / rows_per_chunk)
-    assert len(calls) == 2 * chunks  # forward and backward each walk every chunk
-    assert max(calls) == rows_per_chunk and sum(calls) == 2 * N
+    # The forward walks row chunks; the backward too in 16-bit, tiles of rows × columns in fp32/fp64.
+    backward_tiles = chunks * math.ceil(V / TILE_COLUMNS) if dtype == torch.float64 else chunks
+    assert len(calls) == chunks + backward_tiles
+    assert max(rows for rows, _ in calls) == rows_per_chunk
+    assert sum(rows * columns for rows, columns in calls) == 2 * N * V  # each pass computes every logit once
     if dtype == torch.float64:
         torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(chunked_lse, lse, rtol=1e-12, atol=1e-12)
