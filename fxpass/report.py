@@ -143,14 +143,23 @@ def _short_source(source: str | None) -> str:
 
 
 def current_graph_id() -> str:
-    """Dynamo's compile id ("frame/attempt") when compiling, else a process-wide counter."""
+    """Dynamo's compile id ("frame/attempt") when compiling, else a process-wide counter.
+
+    Dynamo's DDP optimizer calls the backend once per gradient bucket's piece of one captured graph, all under
+    one compile id: the second piece on is "id.2", "id.3", …, so that reports keyed by id keep every piece."""
     try:
         from torch._guards import CompileContext
 
-        compile_id = CompileContext.current_compile_id()
+        context = CompileContext.try_get()
+        compile_id = context.compile_id if context is not None else None
     except Exception:  # pragma: no cover - private API moved
-        compile_id = None
-    return str(compile_id) if compile_id is not None else f"g{next(_GRAPH_COUNTER)}"
+        context = compile_id = None
+    if compile_id is None:
+        return f"g{next(_GRAPH_COUNTER)}"
+    # counted on the context itself: after torch._dynamo.reset() a new compile may reuse an old id's text
+    piece = getattr(context, "_memopt_pieces", 0) + 1
+    context._memopt_pieces = piece
+    return str(compile_id) if piece == 1 else f"{compile_id}.{piece}"
 
 
 def graph_code(gm: fx.GraphModule) -> str:

@@ -9,8 +9,9 @@ backward recomputes the probabilities from the saved log-sum-exp, as the flash-a
 Query heads that share a key/value head are stacked as rows of one product, so k and v are never repeated; a
 causal block only reads the keys its last query sees.
 
-Dropout draws the mask of each query row from a torch generator seeded by ``seed`` and the row, so the
-mask does not depend on how the rows are blocked, and the backward regenerates exactly the forward's mask.
+Dropout draws the mask of each batch entry's tile of MASK_ROWS query rows from a torch generator seeded by
+``seed``, the entry and the tile, so the mask does not depend on how the rows are blocked, and the backward
+regenerates exactly the forward's mask.
 (The CUDA kernels draw theirs with Triton's Philox instead; the two devices' masks differ, each is consistent
 with itself.)
 """
@@ -29,6 +30,8 @@ MIN_BLOCK_BYTES = 2 << 20
 # Query rows per block: enough for efficient products, few enough for the block to stay in cache; a budget that
 # holds more takes more batch entries per block, one that holds fewer takes fewer rows.
 BLOCK_ROWS = 64
+# Dropout masks are drawn in tiles of this many query rows of one batch entry.
+MASK_ROWS = 16
 # Per query row and head: running max, Σexp, log-sum-exp, rowsum(dO ∘ O), in the compute dtype.
 ROW_SCALARS = 4
 
@@ -48,10 +51,11 @@ def row_bytes(batch, heads, keys, dim, dtype: torch.dtype, *, backward: bool, dr
 
 
 def fixed_bytes(batch, heads, keys, dtype: torch.dtype, *, dropout: bool, bias_cast: bool):
-    """Bytes a pass holds whatever the block size: one row of uniforms for the dropout mask, one row of a bias that is
-    added in another dtype."""
+    """Bytes a pass holds whatever the block size: one tile of uniforms for the dropout mask (MASK_ROWS rows of one
+    batch entry), one row of a bias that is added in another dtype."""
     acc = compute_dtype(dtype).itemsize
-    return batch * heads * keys * ((4 if dropout else 0) + (acc if bias_cast else 0))
+    uniforms = MASK_ROWS * heads * keys * 4 if dropout else 0
+    return uniforms + (batch * heads * keys * acc if bias_cast else 0)
 
 
 def block_budget(batch, heads, queries, keys, dim, dtype: torch.dtype):
@@ -86,7 +90,10 @@ def block_shape(
     per_entry = row_bytes(1, heads, keys, dim, q.dtype, backward=backward, dropout=dropout, causal=causal) - shared
     rows = min(queries, BLOCK_ROWS)
     entries = max(1, min(batch, (room // rows - shared) // per_entry))
-    return entries, max(1, min(rows, room // (per_entry * entries + shared)))
+    rows = max(1, min(rows, room // (per_entry * entries + shared)))
+    if dropout and MASK_ROWS <= rows < queries:  # blocks start on mask tiles, so no tile is drawn twice
+        rows -= rows % MASK_ROWS
+    return entries, rows
 
 
 def _blocks(
@@ -158,23 +165,32 @@ def _softmax_(s: torch.Tensor) -> torch.Tensor:
     return total.log_().add_(top).squeeze(-1)
 
 
-def _drop_mask(seed: int, first_entry: int, first_row: int, shape, dropout_p: float, device, out=None):
+def _drop_mask(seed: int, first_entry: int, first_row: int, shape, dropout_p: float, device, queries: int, out=None):
     """Drop mask [b, H, rows, Tk] (True where a probability is dropped) of batch entries and query rows from
-    ``first_entry`` and ``first_row`` on: each (entry, row) from a generator seeded by (seed, entry, row), so that
-    any blocking draws the same mask."""
+    ``first_entry`` and ``first_row`` on, of a problem of ``queries`` rows.
+
+    Each batch entry's rows are drawn in tiles of MASK_ROWS, a tile from a generator seeded by (seed, entry,
+    tile), always whole, so that any blocking draws the same mask (a block cut inside a tile draws it again)."""
     b, h, rows, keys = shape
     mask = torch.empty(shape, dtype=torch.bool) if out is None else out
     for entry in range(b):
-        for row in range(rows):
-            stream = ((seed * 1_000_003 + first_entry + entry) * 1_000_033 + first_row + row) % (1 << 64)
-            generator = torch.Generator(device="cpu").manual_seed(stream)
-            torch.lt(torch.rand((h, keys), generator=generator), dropout_p, out=mask[entry, :, row])
+        row = first_row
+        while row < first_row + rows:
+            tile, start = divmod(row, MASK_ROWS)
+            tile_rows = min(MASK_ROWS, queries - row + start)
+            stream = ((seed * 1_000_003 + first_entry + entry) * 1_000_033 + tile) % (1 << 64)
+            uniforms = torch.rand((h, tile_rows, keys), generator=torch.Generator().manual_seed(stream))
+            stop = min(tile_rows, first_row + rows - row + start)
+            offset = row - first_row
+            torch.lt(uniforms[:, start:stop], dropout_p, out=mask[entry, :, offset : offset + stop - start])
+            del uniforms  # before the next tile's are drawn: one tile at a time
+            row += stop - start
     return mask.to(device)
 
 
-def _keep_mask(seed: int, first_entry: int, first_row: int, shape, dropout_p: float, device) -> torch.Tensor:
+def _keep_mask(seed: int, first_entry: int, first_row: int, shape, dropout_p: float, device, queries: int):
     """The complement of ``_drop_mask``: True where a probability is kept."""
-    return ~_drop_mask(seed, first_entry, first_row, shape, dropout_p, device)
+    return ~_drop_mask(seed, first_entry, first_row, shape, dropout_p, device, queries)
 
 
 def _as_compute(t: torch.Tensor) -> torch.Tensor:
@@ -208,7 +224,7 @@ def forward(q, k, v, bias, scale: float, causal: bool, dropout_p: float, seed: i
         lse[entries, :, rows] = _softmax_(probs)
         if drop is not None:  # masked_fill_, as an in-place product with a boolean mask would copy it cast
             mask = _drop_mask(seed, entries.start, rows.start, (n, heads, count, keys), dropout_p, q.device,
-                              _take(drop, n, heads, count, keys))
+                              queries, _take(drop, n, heads, count, keys))
             probs.masked_fill_(mask[..., :seen], 0.0).div_(1 - dropout_p)
         o = _take(out_rows, n, heads, count, dim)
         _bmm_into(_grouped(o, k.shape[1]), _grouped(probs, k.shape[1]), v[entries, :, :seen])
@@ -251,7 +267,7 @@ def backward(
         mask = None
         if drop is not None:
             mask = _drop_mask(seed, entries.start, rows.start, (n, heads, count, keys), dropout_p, q.device,
-                              _take(drop, n, heads, count, keys))[..., :seen]
+                              queries, _take(drop, n, heads, count, keys))[..., :seen]
             dropped = grads.copy_(probs).masked_fill_(mask, 0.0).div_(1 - dropout_p)
         else:
             dropped = probs

@@ -387,3 +387,12 @@ class TestGraphIds:
     def test_inside_compilation(self):
         _run(_step())
         assert re.fullmatch(r"\d+/\d+", fxpass.reports()[-1].graph_id)
+
+    def test_pieces_of_one_compile(self):
+        """Dynamo's DDP optimizer compiles each bucket's piece of a graph under one compile id: each piece gets its
+        own graph id; a later compile that reuses the id's text (after ``torch._dynamo.reset()``) starts over."""
+        from torch._guards import CompileContext, CompileId, compile_context
+
+        for _ in range(2):
+            with compile_context(CompileContext(CompileId(frame_id=7, frame_compile_id=0))):
+                assert [current_graph_id() for _ in range(3)] == ["7/0", "7/0.2", "7/0.3"]

@@ -124,17 +124,18 @@ def test_blocks_of_any_size_match_float64_math(monkeypatch, shape, causal):
 
 
 def test_dropout_mask_does_not_depend_on_the_blocking(monkeypatch):
-    """Each batch entry's query row draws its own mask: one block or fourteen give the same output and
-    gradients."""
-    q, k, v, _ = _inputs(2, 2, 2, 7, 9, 8, torch.float64)
+    """Each batch entry's tiles of query rows draw their own mask: one block, blocks of single rows, of whole
+    tiles or cut across tiles give the same output and gradients."""
+    q, k, v, _ = _inputs(2, 2, 2, 2 * reference.MASK_ROWS + 7, 9, 8, torch.float64)
     results = []
-    for shape in ((2, 7), (1, 1)):
+    for shape in ((2, q.shape[2]), (1, 1), (1, reference.MASK_ROWS), (2, reference.MASK_ROWS + 3)):
         monkeypatch.setattr(reference, "block_shape", lambda *args, shape=shape, **kwargs: shape)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         torch.manual_seed(3)
         out, _, _ = OP(*leaves, None, 0.4, True, 0.3)
         results.append((out, torch.autograd.grad(out.sum(), leaves)))
-    (one, one_grads), (seven, seven_grads) = results
-    torch.testing.assert_close(one, seven, rtol=1e-12, atol=1e-12)
-    for a, e in zip(one_grads, seven_grads, strict=True):
-        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    (whole, whole_grads), *others = results
+    for out, grads in others:
+        torch.testing.assert_close(out, whole, rtol=1e-12, atol=1e-12)
+        for a, e in zip(grads, whole_grads, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)

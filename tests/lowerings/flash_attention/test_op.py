@@ -75,7 +75,7 @@ def test_dropout_gradients_match_the_mask_used():
     q, k, v = _inputs(heads=2, kv_heads=2)
     torch.manual_seed(1)
     out, _, seed = OP(q, k, v, None, 0.4, False, 0.25)
-    keep = reference._keep_mask(int(seed), 0, 0, (2, 2, 7, 9), 0.25, q.device).double() / 0.75
+    keep = reference._keep_mask(int(seed), 0, 0, (2, 2, 7, 9), 0.25, q.device, 7).double() / 0.75
     expected = (torch.softmax(q @ k.transpose(-2, -1) * 0.4, -1) * keep) @ v
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     for actual, wanted in zip(
