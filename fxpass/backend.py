@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fxpass import checkpoint
-from fxpass.cache import SOURCE_KEYED_PASS
+from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
 from fxpass.config import Config, ConfigError
 from fxpass.report import GraphReport, error_note, publish, tracing_enabled
 from fxpass.rewrite import copy_graph, rewrite_graph, undone, warn_once
@@ -155,7 +155,16 @@ class MemoptBackend:
         if self._inductor is None:
             # Inductor's own wrapper applies ``mode`` and validates config keys exactly as torch.compile does.
             self._inductor = torch._TorchCompileInductorWrapper(self.mode, self._inductor_patches(), dynamic=None)
-        return self._inductor(gm, example_inputs)
+        marked = cacheable_functions(gm)
+        if not marked:
+            return self._inductor(gm, example_inputs)
+        from torch._inductor import config as inductor_config
+
+        # memopt's own functions in the graph would make the AOTAutograd cache bypass it (fxpass/cache.py)
+        with inductor_config.patch(
+            unsafe_marked_cacheable_functions={**inductor_config.unsafe_marked_cacheable_functions, **marked}
+        ):
+            return self._inductor(gm, example_inputs)
 
     def _inductor_patches(self) -> dict[str, Any]:
         """The user's Inductor options, plus a cache key on memopt's sources unless that slot is taken."""

@@ -534,3 +534,42 @@ def test_inductor_caches_are_keyed_on_memopt_sources(monkeypatch):
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", spy)
     torch.compile(lambda x: x.sin(), backend="memopt")(torch.randn(3))
     assert seen.get("post_grad_custom_pre_pass") is SOURCE_KEYED_PASS
+
+
+def test_a_graph_calling_memopt_functions_is_served_from_the_autograd_cache():
+    """The WTA-CRS rule puts ``lowerings.wta_crs.op.sample`` in the graph; the AOTAutograd cache would bypass such a
+    graph and trace it again on every start. Marked cacheable (keyed on memopt's sources), the second compile of
+    the same graph is a cache hit and trains the same."""
+    from torch._inductor.utils import fresh_cache
+
+    from fxpass.cache import cacheable_functions, source_hash
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x))).square().mean()
+
+    options = {"wta_crs_budget": 0.5, "wta_crs_min_tokens": 1, "force": True, "strict": True}
+    seen = []
+    backend = fxpass.MemoptBackend(options=options, sink=lambda report: seen.append(report.graph_module))
+    x = torch.randn(4, 6, 8)
+    losses = []
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.manual_seed(0)
+            block = Block()
+            torch.manual_seed(1)
+            loss = torch.compile(block, backend=backend)(x)
+            loss.backward()
+            losses.append((loss.detach(), block.up.weight.grad))
+            assert fxpass.reports()[-1].applied
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert cacheable_functions(seen[-1]) == {"lowerings.wta_crs.op.sample": source_hash().hex()}
+    (first_loss, first_grad), (second_loss, second_grad) = losses
+    torch.testing.assert_close(second_loss, first_loss, rtol=0, atol=0)
+    torch.testing.assert_close(second_grad, first_grad, rtol=0, atol=0)
