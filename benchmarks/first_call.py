@@ -1,0 +1,113 @@
+"""Time to the first training step (compilation included), cold and with warm caches, each in a fresh process.
+
+    python benchmarks/first_call.py --models gpt2 --attention eager --out $OUT/first_call
+
+A user pays compilation on every start: cold the first time, then from Inductor's on-disk caches (FX graph,
+AOTAutograd, compiled kernels). Each variant (torch.compile, memopt, memopt + WTA-CRS 0.3) runs in its own
+process over its own fresh cache directory: first every variant cold, then every variant again, warm. A process
+builds the model (``benchmarks/e2e.py``'s builder), compiles it whole as users do, and times its first forward +
+backward; it also reports the AOTAutograd cache's verdict (hit, miss or bypass), since a bypassed graph is traced
+again on every start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks._common import header, write_report
+
+VARIANTS = {
+    "torch.compile": None,
+    "memopt": {},
+    "memopt + WTA-CRS 0.3": {"wta_crs_budget": 0.3},
+}
+
+
+def child(model_name: str, attention: str, dropout: str, batch: int, seq: int, variant: str, tiny: bool) -> dict:
+    """One variant's first step in this process: seconds, and the AOTAutograd cache counters."""
+    from torch._dynamo.utils import counters
+
+    from benchmarks import e2e
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = e2e.build_model(model_name, attention, dropout, tiny).to(device)
+    inputs = e2e.make_batch(model.config.vocab_size, batch, seq, False, device)
+    options = VARIANTS[variant]
+    backend = "torch.compile" if options is None else "memopt"
+    step = e2e.compiled_step(model, "whole_model", backend, "inductor", options)
+    one_step = e2e.training_step(model, step, inputs, device, autocast=device.type == "cuda")
+    start = time.perf_counter()
+    one_step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
+    return {"variant": variant, "first_call_s": seconds, "aot_autograd_cache": cache}
+
+
+def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
+    command = [
+        sys.executable, __file__, "--child", variant, "--models", args.models, "--attention", args.attention,
+        "--dropout", args.dropout, "--batch", str(args.batch), "--seq", str(args.seq),
+    ] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    row = json.loads(lines[-1]) if done.returncode == 0 and lines else {"variant": variant, "error": done.stderr[-500:]}
+    return {"phase": phase, **row}
+
+
+def table(rows: list[dict]) -> str:
+    base = {row["phase"]: row.get("first_call_s") for row in rows if row["variant"] == "torch.compile"}
+    lines = ["| caches | variant | first step s | / torch.compile | AOTAutograd cache |", "|---|---|---|---|---|"]
+    for row in rows:
+        seconds, reference = row.get("first_call_s"), base.get(row["phase"])
+        ratio = f"{seconds / reference:.2f}" if seconds and reference else "-"
+        verdict = ", ".join(f"{k.removeprefix('autograd_cache_')}" for k in row.get("aot_autograd_cache", {}))
+        shown = f"{seconds:.1f}" if seconds else f"error: {row.get('error', '')[-120:]}"
+        lines.append(f"| {row['phase']} | {row['variant']} | {shown} | {ratio} | {verdict or '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2", help="one model of benchmarks/e2e.py")
+    parser.add_argument("--attention", default="eager")
+    parser.add_argument("--dropout", default="config")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        row = child(args.models, args.attention, args.dropout, args.batch, args.seq, args.child, args.tiny)
+        print(json.dumps(row), flush=True)
+        return [row]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memopt-first-call-") as root:
+        for phase in ("cold", "warm"):
+            for number, variant in enumerate(args.variants.split(",")):
+                cache_dir = str(Path(root) / f"variant{number}")  # its own: no variant warms another's kernels
+                rows.append(run_variant(args, variant, cache_dir, phase))
+                print(json.dumps(rows[-1]), flush=True)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    title = header(f"First step, {args.models} ({args.attention} attention), {args.batch} × {args.seq}", device)
+    write_report(args.out, "first_call.md", f"{title}\n\n{table(rows)}")
+    (args.out / "first_call.json").write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
