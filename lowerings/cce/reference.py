@@ -148,9 +148,14 @@ def forward(
     label_smoothing: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (0 on ignored rows) and per-row log-sum-exp, both [N] in the compute dtype."""
+    """Per-row loss (0 on ignored rows) and per-row log-sum-exp, both [N] in the compute dtype.
+
+    fp32 and fp64 inputs walk tiles of rows × vocabulary columns with a running log-sum-exp
+    (``_forward_by_columns``), 16-bit inputs chunks of whole rows."""
     (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     check_targets(targets, vocab, ignore_index)
+    if hidden.dtype == weight.dtype == compute_dtype(hidden.dtype):
+        return _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
     acc = compute_dtype(hidden.dtype)
     losses = hidden.new_empty(n_rows, dtype=acc)
     lse = torch.empty_like(losses)
@@ -282,13 +287,9 @@ def _backward_by_columns(
     grad_hidden = hidden.new_zeros(hidden.shape) if need_hidden else hidden.new_empty(0)
     grad_weight = weight.new_zeros(weight.shape) if need_weight else weight.new_empty(0)
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
-    buffers = 2 if softcap is not None else 1
-    room = chunk_budget(n_rows, vocab, dim, hidden.dtype) - fixed_bytes(
-        vocab, hidden.dtype, bias=bias is not None, backward=True
+    step_rows, step_cols = _tiles(
+        n_rows, vocab, dim, acc, softcap=softcap is not None, bias=bias is not None, backward=True
     )
-    # A tile's row vectors (upstream scales, targets sorted by column and their order) and the index updates of its
-    # targets are charged at twice the row chunks' per-row allowance.
-    step_rows, step_cols = tile_shape(n_rows, vocab, room, buffers * acc.itemsize, 2 * ROW_SCALARS * acc.itemsize)
     buffer = _buffer(step_rows * step_cols, hidden, acc)
     slopes = _buffer(step_rows * step_cols, hidden, acc) if softcap is not None else None
     bias_dtype, bias = (bias.dtype, bias.to(acc)) if bias is not None else (None, None)
@@ -301,9 +302,7 @@ def _backward_by_columns(
         scale = (grad_rows[rows].to(acc) + grad_lse[rows].to(acc)).unsqueeze(1)
         onehot_grad = g_loss * -(1.0 - label_smoothing)
         smoothing = (g_loss * (label_smoothing / vocab)).unsqueeze(1) if label_smoothing else None
-        # Rows in the order of their target's column (ignored rows last), so that each tile finds its targets as
-        # one range and its temporaries scale with them, not with the rows.
-        target_cols, by_column = torch.sort(torch.where(valid, target, vocab))
+        target_cols, by_column = _targets_by_column(target, valid, vocab)
         for first in range(0, vocab, step_cols):
             cols = slice(first, min(first + step_cols, vocab))
             width = cols.stop - first
@@ -316,9 +315,8 @@ def _backward_by_columns(
                 slope.div_(softcap).tanh_()
                 dlogits = torch.mul(slope, softcap, out=_view(buffer, count, width))
             dlogits.sub_(row_lse).exp_().mul_(scale)  # probabilities × upstream gradient
-            low, high = torch.searchsorted(target_cols, target_cols.new_tensor([first, cols.stop])).tolist()
-            hits = by_column[low:high]
-            dlogits.index_put_((hits, target_cols[low:high] - first), onehot_grad[hits], accumulate=True)
+            hits, local = _tile_targets(target_cols, by_column, cols)
+            dlogits.index_put_((hits, local), onehot_grad[hits], accumulate=True)
             if smoothing is not None:
                 dlogits.sub_(smoothing)
             if slope is not None:
@@ -332,3 +330,67 @@ def _backward_by_columns(
             if grad_bias is not None:
                 grad_bias[cols].add_(dlogits.sum(dim=0))
     return grad_hidden, grad_weight, grad_bias.to(bias_dtype) if grad_bias is not None else weight.new_empty(0)
+
+
+def _tiles(n_rows: int, vocab: int, dim: int, dtype: torch.dtype, *, softcap: bool, bias: bool, backward: bool):
+    """(rows, columns) of the column-wise passes' tiles within ``chunk_budget``; a tile's row vectors and the index
+    updates of its targets are charged at twice the row chunks' per-row allowance."""
+    acc = compute_dtype(dtype).itemsize
+    room = chunk_budget(n_rows, vocab, dim, dtype) - fixed_bytes(vocab, dtype, bias=bias, backward=backward)
+    buffers = 2 if softcap and backward else 1
+    return tile_shape(n_rows, vocab, room, buffers * acc, 2 * ROW_SCALARS * acc)
+
+
+def _targets_by_column(targets: torch.Tensor, valid: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(target columns sorted, the rows in that order), ignored rows last (column V): each column tile then finds
+    its rows' targets as one range, with temporaries that scale with them, not with the rows."""
+    return torch.sort(torch.where(valid, targets, vocab))
+
+
+def _tile_targets(target_cols: torch.Tensor, by_column: torch.Tensor, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, their target's column within the tile) of the rows whose target lies in ``cols``."""
+    low, high = torch.searchsorted(target_cols, target_cols.new_tensor([cols.start, cols.stop])).tolist()
+    return by_column[low:high], target_cols[low:high] - cols.start
+
+
+def _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap):
+    """``forward`` for fp32/fp64 inputs over tiles of rows × vocabulary columns, with a running max and sum per row
+    (the online log-sum-exp of flash attention, Milakov & Gimelshein 2018): the classifier GEMM runs over every row
+    of a tile at once rather than over row chunks of ~1/8 of the logits."""
+    (n_rows, dim), vocab = hidden.shape, weight.shape[0]
+    acc = hidden.dtype
+    losses, lse = hidden.new_empty(n_rows), hidden.new_empty(n_rows)
+    step_rows, step_cols = _tiles(
+        n_rows, vocab, dim, acc, softcap=softcap is not None, bias=bias is not None, backward=False
+    )
+    buffer = _buffer(step_rows * step_cols, hidden, acc)
+    bias = bias.to(acc) if bias is not None else None
+    for start in range(0, n_rows, step_rows):
+        rows = slice(start, min(start + step_rows, n_rows))
+        count = rows.stop - start
+        valid = valid_rows(targets[rows], ignore_index)
+        target_cols, by_column = _targets_by_column(targets[rows], valid, vocab)
+        target_logit = hidden.new_zeros(count)
+        logit_sum = hidden.new_zeros(count) if label_smoothing else None
+        shift, total = hidden.new_zeros(count), hidden.new_zeros(count)  # Σ exp(z − shift) so far
+        top = hidden.new_full((count,), float("-inf"))
+        for first in range(0, vocab, step_cols):
+            cols = slice(first, min(first + step_cols, vocab))
+            tile_bias = bias[cols] if bias is not None else None
+            z = _chunk_logits(hidden[rows], weight[cols], tile_bias, _view(buffer, count, cols.stop - first))
+            if softcap is not None:
+                z.div_(softcap).tanh_().mul_(softcap)
+            hits, local = _tile_targets(target_cols, by_column, cols)
+            target_logit[hits] = z[hits, local]
+            if logit_sum is not None:
+                logit_sum += z.sum(dim=1)
+            torch.maximum(top, z.amax(dim=1), out=top)
+            new_shift = top.masked_fill(top.abs() == float("inf"), 0.0)  # as row_terms_: an infinite max shifts by 0
+            total.mul_((shift - new_shift).exp_()).add_(z.sub_(new_shift.unsqueeze(1)).exp_().sum(dim=1))
+            shift = new_shift
+        lse[rows] = total.log().add_(shift)
+        loss = (1.0 - label_smoothing) * (lse[rows] - target_logit)
+        if logit_sum is not None:
+            loss = loss + label_smoothing * (lse[rows] - logit_sum / vocab)
+        losses[rows] = torch.where(valid, loss, 0.0)
+    return losses, lse

@@ -258,9 +258,9 @@ def test_chunked_equals_unchunked(monkeypatch, reduction, rows_per_chunk, dtype)
     chunked, chunked_grads = _loss_and_grads(chunked_loss, params)
 
     chunks = math.ceil(N / rows_per_chunk)
-    # The forward walks row chunks; the backward too in 16-bit, tiles of rows × columns in fp32/fp64.
-    backward_tiles = chunks * math.ceil(V / TILE_COLUMNS) if dtype == torch.float64 else chunks
-    assert len(calls) == chunks + backward_tiles
+    # Both passes walk row chunks in 16-bit, tiles of rows × columns in fp32/fp64.
+    tiles = chunks * math.ceil(V / TILE_COLUMNS) if dtype == torch.float64 else chunks
+    assert len(calls) == 2 * tiles
     assert max(rows for rows, _ in calls) == rows_per_chunk
     assert sum(rows * columns for rows, columns in calls) == 2 * N * V  # each pass computes every logit once
     if dtype == torch.float64:
