@@ -158,7 +158,10 @@ def current_graph_id() -> str:
         return f"g{next(_GRAPH_COUNTER)}"
     # counted on the context itself: after torch._dynamo.reset() a new compile may reuse an old id's text
     piece = getattr(context, "_memopt_pieces", 0) + 1
-    context._memopt_pieces = piece
+    try:
+        context._memopt_pieces = piece
+    except AttributeError:  # pragma: no cover - a context that takes no attributes: ids as Dynamo gives them
+        return str(compile_id)
     return str(compile_id) if piece == 1 else f"{compile_id}.{piece}"
 
 
