@@ -207,6 +207,7 @@ def run_case(name, attention, dropout, flow, args, device, checkpointing: str = 
     if args.tiny:
         seq, size = min(seq, 64), min(size, 2)
     rows, prepared = [], []
+    model = step = one_step = None
     try:
         for backend in BACKENDS:
             torch.manual_seed(0)
@@ -226,6 +227,7 @@ def run_case(name, attention, dropout, flow, args, device, checkpointing: str = 
         measure_interleaved(args.steps, prepared, device)
     finally:
         prepared.clear()
+        model = step = one_step = None  # the last model, dropped before the cache is emptied
         release_memory()
     return rows
 
