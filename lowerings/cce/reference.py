@@ -154,7 +154,7 @@ def forward(
     (``_forward_by_columns``), 16-bit inputs chunks of whole rows."""
     (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     check_targets(targets, vocab, ignore_index)
-    if hidden.dtype == weight.dtype == compute_dtype(hidden.dtype):
+    if _by_columns(hidden, weight):
         return _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
     acc = compute_dtype(hidden.dtype)
     losses = hidden.new_empty(n_rows, dtype=acc)
@@ -197,7 +197,7 @@ def backward(
     An input whose entry in ``needs`` is False gets an empty gradient. Each chunk's probabilities become its
     logit gradient in place, in one buffer (two with a softcap, whose chain rule needs tanh(x/c) too).
     """
-    if hidden.dtype == weight.dtype == compute_dtype(hidden.dtype):
+    if _by_columns(hidden, weight):
         return _backward_by_columns(
             hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
             grad_logits,
@@ -258,15 +258,21 @@ def _hidden_grad_into(out: torch.Tensor, dlogits: torch.Tensor, weight: torch.Te
         out.copy_(dlogits.to(weight.dtype) @ weight)
 
 
-# The fewest vocabulary columns a tile of the column-wise backward takes before it gives up rows: the hidden-state
-# gradient's GEMM runs over them.
+# The fewest vocabulary columns a tile of the column-wise passes takes before it gives up rows: the backward's
+# hidden-state gradient GEMM runs over them.
 MIN_TILE_COLUMNS = 1024
 
 
+def _by_columns(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether both passes walk tiles of rows × vocabulary columns: fp32/fp64 inputs, where nothing is rounded
+    between tiles. 16-bit inputs walk chunks of whole rows (one rounding per row, as eager's GEMMs)."""
+    return hidden.dtype == weight.dtype == compute_dtype(hidden.dtype)
+
+
 def tile_shape(n_rows: int, vocab: int, room: int, per_logit: int, per_row: int) -> tuple[int, int]:
-    """(rows, columns) of a backward tile whose ``per_logit`` bytes per logit and ``per_row`` per row fit ``room``:
-    all rows where MIN_TILE_COLUMNS columns of them fit, so that the classifier-gradient GEMM runs over every row
-    (K = N) and is written once, not accumulated chunk by chunk."""
+    """(rows, columns) of a tile whose ``per_logit`` bytes per logit and ``per_row`` per row fit ``room``: all rows
+    where MIN_TILE_COLUMNS columns of them fit, so that the GEMMs run over every row (the backward's classifier
+    gradient with K = N, written once rather than accumulated chunk by chunk)."""
     columns = min(vocab, MIN_TILE_COLUMNS)
     rows = max(1, min(n_rows, room // (columns * per_logit + per_row)))
     return rows, max(1, min(vocab, (room - rows * per_row) // (rows * per_logit)))
