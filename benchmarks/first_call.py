@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,8 @@ VARIANTS = {
 
 
 def child(model_name: str, attention: str, dropout: str, batch: int, seq: int, variant: str, tiny: bool) -> dict:
-    """One variant's first step in this process: seconds, and the AOTAutograd cache counters."""
+    """One variant's first step in this process (timed as ``e2e.first_call`` times it): seconds, the rewrites applied
+    and the AOTAutograd cache counters."""
     from torch._dynamo.utils import counters
 
     from benchmarks import e2e
@@ -46,13 +46,10 @@ def child(model_name: str, attention: str, dropout: str, batch: int, seq: int, v
     backend = "torch.compile" if options is None else "memopt"
     step = e2e.compiled_step(model, "whole_model", backend, "inductor", options)
     one_step = e2e.training_step(model, step, inputs, device, autocast=device.type == "cuda")
-    start = time.perf_counter()
-    one_step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    row = e2e.Row(model_name, attention, dropout, "whole_model", backend, tokens=batch * seq)
+    e2e.first_call(row, one_step, device)
     cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
-    return {"variant": variant, "first_call_s": seconds, "aot_autograd_cache": cache}
+    return {"variant": variant, "first_call_s": row.first_call_s, "rewrites": row.rewrites, "aot_autograd_cache": cache}
 
 
 def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
