@@ -37,15 +37,16 @@ FRACTION = 8
 CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 
 
-def chunk_bytes_per_row(vocab, dtype: torch.dtype):
-    """A row of a chunk: its logits in the input dtype and their copy in the compute dtype."""
-    return vocab * (dtype.itemsize + reference.compute_dtype(dtype).itemsize)
+def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
+    """A row of a chunk: its logits in the input dtype, and their copy in the compute dtype unless the chunk
+    kernel turns them into their gradient in place."""
+    return vocab * dtype.itemsize if in_place else vocab * (dtype.itemsize + reference.compute_dtype(dtype).itemsize)
 
 
-def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str):
+def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False):
     """Rows per chunk (SymInts give a symbolic answer)."""
     share = torch.sym_min(n_rows * vocab * dtype.itemsize // FRACTION, CHUNK_BYTES.get(device_type, 32 << 20))
-    return torch.sym_max(1, torch.sym_min(n_rows, share // chunk_bytes_per_row(vocab, dtype)))
+    return torch.sym_max(1, torch.sym_min(n_rows, share // chunk_bytes_per_row(vocab, dtype, in_place)))
 
 
 def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> bool:
@@ -54,19 +55,36 @@ def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> boo
     return HAS_TRITON and device_type == "cuda" and dtype != torch.float64 and not bias_grad
 
 
+def _accumulates_in_fp32(device_type: str) -> bool:
+    """cuBLAS adds a 16-bit product into an fp32 matrix in one GEMM (``addmm``'s ``out_dtype``, CUDA only);
+    elsewhere the chunk's product is formed in 16 bits, rounded once, then added."""
+    return device_type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``, with ``acc`` in the compute dtype of 16-bit (or like-typed) ``a`` and ``b``."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif _accumulates_in_fp32(acc.device.type):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.add_(a @ b)
+
+
 def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, needs=(True, True, False)):
     """Bytes the op keeps beyond its inputs and the loss, by name, for the rule's memory model."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
-    rows = chunk_rows(n_rows, vocab, dtype, device.type)
+    in_place = _kernel_serves(device.type, dtype, bias_grad=need_bias)
+    rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place)
     terms: dict[str, object] = {}
-    if _kernel_serves(device.type, dtype, bias_grad=need_bias):
+    if in_place:
         terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
             rows * vocab * dtype.itemsize
         )
     else:
         terms["transient: one chunk of logits and their fp32 copy [rows, V]"] = rows * chunk_bytes_per_row(vocab, dtype)
-    if need_weight and dtype.itemsize < acc:
+    if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
         terms["transient: a chunk's ∂C product [V, D] before its fp32 sum"] = vocab * dim * dtype.itemsize
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * dim * acc if need_weight else 0)
     saved = saved + (vocab * acc if need_bias else 0)
@@ -129,8 +147,8 @@ def cce_rowwise(
     scale = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
-    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type))
     fused = _kernel_serves(hidden.device.type, hidden.dtype, bias_grad=bool(grad_bias.numel()))
+    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused))
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         logits = torch.nn.functional.linear(hidden[rows], weight, bias)
@@ -144,10 +162,8 @@ def cce_rowwise(
             low = logits.copy_(grad) if grad.dtype != logits.dtype else grad  # GEMM operands in the input dtype
         if need_hidden:
             torch.mm(low, weight, out=grad_hidden[rows])
-        if need_weight and acc == hidden.dtype:
-            grad_weight.addmm_(low.t(), hidden[rows])
-        elif need_weight:  # one rounding of the chunk's product, then an fp32 sum over chunks
-            grad_weight.add_(low.t() @ hidden[rows])
+        if need_weight:
+            _add_product_(grad_weight, low.t(), hidden[rows])
         if grad_bias.numel():  # (never with the kernel: ``_kernel_serves``)
             grad_bias += grad.sum(dim=0)
     return total * scale, grad_hidden, grad_weight, grad_bias

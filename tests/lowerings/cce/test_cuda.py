@@ -61,6 +61,41 @@ def test_no_worse_than_eager_same_dtype(dtype, reduction, use_bias, softcap, smo
         assert our_error <= eager_error + 1e-3, (name, our_error.item(), eager_error.item())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_dtype", ["same", "float32"], ids=["16-bit weight", "fp32 weight"])
+@pytest.mark.parametrize(("softcap", "smoothing"), [(None, 0.0), (30.0, 0.1)])
+def test_rowwise_no_worse_than_eager_same_dtype(monkeypatch, dtype, weight_dtype, softcap, smoothing):
+    """The row-wise op on CUDA (its chunk kernel, ∂C summed into fp32 by the GEMM itself) over several chunks:
+    loss, dE and dC within the bf16/fp16 baseline's error against fp32 math."""
+    from lowerings.cce import rowwise
+
+    assert rowwise._kernel_serves("cuda", dtype, bias_grad=False)
+    monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 300)  # 1000 rows: four chunks, the last ragged
+    hidden, weight, _, targets = _lm_batch(1000, 5003, 256, dtype)
+    if weight_dtype == "float32":
+        weight = weight.float()
+
+    def run(fn, h, w):
+        h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        loss = fn(h, w)
+        return (loss, *torch.autograd.grad(2 * loss, (h, w)))
+
+    def eager(h, w):
+        return _eager(h, w.to(h.dtype), targets, softcap=softcap, smoothing=smoothing)
+
+    def ours(h, w):
+        loss = torch.ops.memopt.cce_rowwise(h, w.to(h.dtype), None, targets, -100, "mean", smoothing, softcap,
+                                            True, True, False)[0]
+        return loss
+
+    exact, baseline, mine = run(eager, hidden.float(), weight.float()), run(eager, hidden, weight), run(ours, hidden, weight)
+    for name, got, theirs, truth in zip(("loss", "dE", "dC"), mine, baseline, exact, strict=True):
+        assert got.dtype == theirs.dtype, name
+        our_error = (got.float() - truth).norm() / truth.norm()
+        baseline_error = (theirs.float() - truth).norm() / truth.norm()
+        assert our_error <= baseline_error + 1e-3, (name, our_error.item(), baseline_error.item())
+
+
 def test_inductor_emits_the_forward_kernel():
     """Compiled with backend=memopt, the CCE forward Triton kernel appears in Inductor's output code."""
     from torch._inductor.utils import run_and_get_code

@@ -121,15 +121,18 @@ def test_working_set_charges_the_saved_gradients():
     terms = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cuda"), (True, True, False))
     saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
     assert saved == 1024 * 768 * 2 + 50000 * 768 * 4
-    rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda")
-    assert rows == 1024 * 50000 * 2 // 8 // (50000 * 6)
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
-    if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place
+    if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place: 2 B a logit
+        rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
+        assert rows == 1024 * 50000 * 2 // 8 // (50000 * 2)
         assert chunk == {"transient: one chunk of logits, turned into their gradient in place [rows, V]": rows * 50000 * 2}
+    product = "transient: a chunk's ∂C product [V, D] before its fp32 sum"
+    assert (product in terms) == (not rowwise._accumulates_in_fp32("cuda"))
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
-    assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == (
-        rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu") * 50000 * 6
-    )
+    rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
+    assert rows == 1024 * 50000 * 2 // 8 // (50000 * 6)  # logits and their fp32 copy: 6 B a logit
+    assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * 50000 * 6
+    assert cpu[product] == 50000 * 768 * 2  # the CPU rounds each chunk's product to bf16, then adds it
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
