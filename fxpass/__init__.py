@@ -8,8 +8,11 @@
 from fxpass.backend import MemoptBackend, memopt_backend, memopt_wta_backend
 from fxpass.config import Config, ConfigError
 from fxpass.explain import Explanation, explain
+from fxpass.integrations import transformers_logging
 from fxpass.report import GraphReport, RewriteRecord, clear_reports, reports
 from fxpass.rewrite import RewriteFailedWarning, rewrite_graph
+
+transformers_logging.install()  # so that an HF model's loss warning does not split head and loss into two graphs
 
 __all__ = [
     "Config",

@@ -178,6 +178,16 @@ def test_whole_model_compile_returns_exact_logits(name, use_logits):
     _check_whole_model(model, ids, labels, use_logits)
 
 
+def test_gpt2_as_built_compiles_whole():
+    """GPT-2 as transformers builds it: ``loss_type`` None, so its ``loss_function`` logs a ``warning_once`` on
+    every call. ``import fxpass`` has Dynamo skip that call (``fxpass.integrations.transformers_logging``), so
+    the card's ``torch.compile(model, backend="memopt")`` holds head and loss in one graph (fullgraph) and CCE
+    applies without the user setting anything."""
+    model = _gpt2()
+    model.loss_type = None
+    _check_whole_model(model, *_batch(masked_lm=False), use_logits=False)
+
+
 def _saved_tensor_shapes(fn) -> list[tuple[int, ...]]:
     """Shapes of every tensor autograd saves while ``fn`` runs (the compiled graph's saved activations)."""
     shapes: list[tuple[int, ...]] = []

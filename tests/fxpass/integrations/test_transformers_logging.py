@@ -1,0 +1,51 @@
+"""``fxpass.integrations.transformers_logging``: transformers' ``Logger.warning_once`` is skipped by Dynamo
+whichever of fxpass and transformers is imported first, and the import hook leaves ``sys.meta_path`` after use.
+
+Each order runs in a fresh interpreter: in this one both modules are imported already.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHECK = """
+    import logging, sys, torch
+    from fxpass.integrations.transformers_logging import _AfterLoggingImport, _ignored_logging_functions
+    hooks = [f for f in sys.meta_path if isinstance(f, _AfterLoggingImport)]
+    assert not hooks, hooks  # used once, then gone
+    assert logging.Logger.warning_once in _ignored_logging_functions()
+
+    logger = logging.getLogger("transformers.check")
+
+    @torch.compile(backend="eager", fullgraph=True)  # a logger call Dynamo cannot trace would raise here
+    def step(x):
+        logger.warning_once("traced through")
+        return x + 1
+
+    assert torch.equal(step(torch.zeros(2)), torch.ones(2))
+    print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    "imports", ["import fxpass\nimport transformers", "import transformers\nimport fxpass"],
+    ids=["fxpass_first", "transformers_first"],
+)
+def test_warning_once_is_skipped_in_either_import_order(imports):
+    code = textwrap.dedent(imports + "\n") + textwrap.dedent(CHECK)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_no_hook_waits_once_transformers_is_imported():
+    import transformers  # noqa: F401
+
+    from fxpass.integrations import transformers_logging
+
+    transformers_logging.install()
+    assert not any(isinstance(f, transformers_logging._AfterLoggingImport) for f in sys.meta_path)
+    assert transformers_logging.ignore_warning_once()
