@@ -37,10 +37,14 @@ FRACTION = 8
 CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 
 
+ROW_VECTOR_BYTES = 128  # a row's share of the chunk's per-row vectors (loss terms, max, sum, index, validity)
+
+
 def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
-    """A row of a chunk: its logits in the input dtype, and their copy in the compute dtype unless the chunk
-    kernel turns them into their gradient in place."""
-    return vocab * dtype.itemsize if in_place else vocab * (dtype.itemsize + reference.compute_dtype(dtype).itemsize)
+    """A row of a chunk: its logits in the input dtype, their copy in the compute dtype unless the chunk kernel
+    turns them into their gradient in place, and its per-row vectors."""
+    copy = 0 if in_place else reference.compute_dtype(dtype).itemsize
+    return vocab * (dtype.itemsize + copy) + ROW_VECTOR_BYTES
 
 
 def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False):
@@ -80,12 +84,13 @@ def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, ne
     terms: dict[str, object] = {}
     if in_place:
         terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
-            rows * vocab * dtype.itemsize
+            rows * chunk_bytes_per_row(vocab, dtype, in_place=True)
         )
     else:
         terms["transient: one chunk of logits and their fp32 copy [rows, V]"] = rows * chunk_bytes_per_row(vocab, dtype)
     if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
-        terms["transient: a chunk's ∂C product [V, D] before its fp32 sum"] = vocab * dim * dtype.itemsize
+        product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
+        terms[product] = vocab * dim * (dtype.itemsize + acc)
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * dim * acc if need_weight else 0)
     saved = saved + (vocab * acc if need_bias else 0)
     terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
@@ -166,6 +171,8 @@ def cce_rowwise(
             _add_product_(grad_weight, low.t(), hidden[rows])
         if grad_bias.numel():  # (never with the kernel: ``_kernel_serves``)
             grad_bias += grad.sum(dim=0)
+        # drop this chunk's buffers before the next chunk's GEMM allocates, or two chunks are alive at once
+        logits = low = grad = None
     return total * scale, grad_hidden, grad_weight, grad_bias
 
 
