@@ -97,6 +97,9 @@ def cce_case(shape: tuple[int, int, int], reps: int) -> dict:
     variants = {
         "torch.compile (loss)": lambda: loss_only(hidden, weight, targets).backward(),
         "memopt.cce": lambda: torch.ops.memopt.cce(hidden, weight, None, targets)[0].backward(),
+        "memopt.cce_rowwise": lambda: torch.ops.memopt.cce_rowwise(
+            hidden, weight, None, targets, -100, "mean", 0.0, None, True, True, False
+        )[0].backward(),
         "torch.compile (loss + logits)": lambda: with_logits(hidden, weight, targets)[0].backward(),
         "memopt.cce_with_logits": lambda: torch.ops.memopt.cce_with_logits(hidden, weight, None, targets)[
             0

@@ -494,12 +494,19 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
     return dataclasses.replace(decision, params=params)
 
 
+# Measured (BENCHMARKS.md): on the H200 the row-wise op took 1.19-1.24x torch.compile's time where the chunked
+# one took 1.54-1.59x; on CPU, where its chunk loop is PyTorch ops around GEMMs of a few hundred rows, 1.34-2.30x
+# where the chunked one took 1.12-1.26x (benchmarks/cpu_ops.py).
+ROWWISE_SLOWER_OFF_CUDA = "off CUDA the row-wise op is slower than the chunked one (benchmarks/cpu_ops.py)"
+
+
 def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     """"chunked" (``memopt.cce``, 8·N·D·V FLOPs) or "rowwise" (``memopt.cce_rowwise``, 6·N·D·V), and why.
 
-    "auto" takes the row-wise variant where it may serve the loss and still frees at least 3/4 of what the
-    chunked one frees: a quarter of the FLOPs for at most a quarter of the saving (it keeps ∂E, ∂C and ∂b from
-    forward to backward). Returns an empty reason where there was nothing to weigh."""
+    "auto" takes the row-wise variant on CUDA (off CUDA it is the slower of the two) where it may serve the loss
+    and still frees at least 3/4 of what the chunked one frees: a quarter of the FLOPs for at most a quarter of
+    the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Returns an empty reason where there was
+    nothing to weigh."""
     if config.cce_variant == "chunked" or candidate.returns_logits:
         return "chunked", ""
     blocker = _rowwise_blocker(candidate, config)
@@ -507,6 +514,9 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
         return "chunked", f"the row-wise variant does not apply: {blocker}" if config.cce_variant == "rowwise" else ""
     if config.cce_variant == "rowwise":
         return "rowwise", "cce_variant='rowwise'"
+    device = config.memory_device(tensor_value(candidate.hidden).device)
+    if device.type != "cuda":
+        return "chunked", ROWWISE_SLOWER_OFF_CUDA
     chunked = memory_model(candidate, config.assume_device, "chunked").saved
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays  # for every shape if provable, else at the hints

@@ -525,21 +525,36 @@ class TestVariant(TestCase):
         return fn, weight
 
     def test_auto_takes_rowwise_where_it_keeps_most_of_the_saving(self):
+        """Decided as for CUDA (where the row-wise op is the faster), run on CPU."""
         fn, weight = self._loss(vocab=4096, dim=16)
         hidden = torch.randn(2, 256, 16, requires_grad=True)
         ex = _check_numerics(
-            fn, [hidden, weight], hidden, torch.randint(0, 4096, (2, 256)), force=False, cce_variant="auto"
+            fn, [hidden, weight], hidden, torch.randint(0, 4096, (2, 256)), force=False, cce_variant="auto",
+            assume_device="cuda",
         )
         record = ex.records[0]
         self.assertEqual(record.params["variant"], "rowwise")
         self.assertIn("of the chunked one's", record.params["variant_reason"])
         self.assertIn("torch.ops.memopt.cce_rowwise.default", after_code(ex))
 
+    def test_auto_keeps_chunked_off_cuda(self):
+        """The same loss decided for the CPU: the row-wise op's chunk loop is the slower there."""
+        fn, weight = self._loss(vocab=4096, dim=16)
+        hidden = torch.randn(2, 256, 16, requires_grad=True)
+        ex = _check_numerics(
+            fn, [hidden, weight], hidden, torch.randint(0, 4096, (2, 256)), force=False, cce_variant="auto"
+        )
+        record = ex.records[0]
+        self.assertEqual(record.params["variant"], "chunked")
+        self.assertIn("off CUDA the row-wise op is slower", record.params["variant_reason"])
+
     def test_auto_keeps_chunked_where_the_saved_gradients_cost_too_much(self):
         """Few tokens against a large classifier: ∂C [V, D] kept from forward to backward outweighs the logits."""
         fn, weight = self._loss(vocab=4096, dim=64)
         hidden = torch.randn(1, 16, 64, requires_grad=True)
-        ex = _check_numerics(fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, 16)), cce_variant="auto")
+        ex = _check_numerics(
+            fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, 16)), cce_variant="auto", assume_device="cuda"
+        )
         record = ex.records[0]
         self.assertEqual(record.params["variant"], "chunked")
         self.assertIn("under 3/4", record.params["variant_reason"])
