@@ -7,6 +7,7 @@ import torch
 from torch._inductor.utils import run_fw_bw_and_get_code
 
 import fxpass
+from tests.helpers import assert_close_scaled
 from tests.models.test_hf_models import _batch, _gpt2, _grads, _llama, _parameters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -28,6 +29,8 @@ def test_model_on_cuda_emits_cce_kernel(build):
     loss, codes = run_fw_bw_and_get_code(lambda: compiled(ids, labels))
     assert any("_lse_forward_kernel" in code for code in codes), "CCE kernel missing from Inductor's output code"
     assert any(report.applied for report in fxpass.reports())
-    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
-    for actual, wanted in zip(_grads(compiled(ids, labels), params), expected_grads, strict=True):
-        torch.testing.assert_close(actual, wanted, rtol=1e-3, atol=1e-4)
+    # fp32 in another reduction order: rounding scales with each tensor's magnitude, not a fixed atol
+    assert_close_scaled(loss, expected, rel=1e-4, name="loss")
+    names, _ = _parameters(model)
+    for name, actual, wanted in zip(names, _grads(compiled(ids, labels), params), expected_grads, strict=True):
+        assert_close_scaled(actual, wanted, rel=1e-3, name=name)
