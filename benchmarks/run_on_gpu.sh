@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: install carried wheels, run the GPU tests, then the given benchmark commands.
 #   bash benchmarks/run_on_gpu.sh "python benchmarks/cce_tune.py" "python benchmarks/cce.py --out \$OUT/cce"
-# Logs go to $OUT (the device tool brings them back). Wheels: .whl/ (see README, "Benchmarks").
+# Logs go to $OUT (the device tool brings them back). Pure-Python wheels the GPU image lacks go in .whl/ (ignored
+# by git; carry it): python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#   expecttest accelerate cut-cross-entropy liger-kernel
 set -uo pipefail
 OUT=${OUT:-benchmark_results}
 mkdir -p "$OUT"
