@@ -62,10 +62,13 @@ class Row:
         return None if self.step_ms is None else self.tokens / self.step_ms * 1e3
 
 
-def build_model(name: str, attention: str, dropout: str, tiny: bool, checkpointing: bool = False):
+def build_model(
+    name: str, attention: str, dropout: str, tiny: bool, checkpointing: bool = False, layers: int | None = None
+):
     """An HF causal LM from its config: GPT-2 small, or Llama-3.2-1B's shape (vocabulary 128256, GQA 32/8).
 
-    ``dropout="config"`` keeps the config's own dropout (GPT-2: 0.1 everywhere), ``"0"`` turns it off."""
+    ``dropout="config"`` keeps the config's own dropout (GPT-2: 0.1 everywhere), ``"0"`` turns it off;
+    ``layers`` overrides the number of blocks (shorter CPU runs)."""
     import transformers
 
     if name == "gpt2":
@@ -89,6 +92,8 @@ def build_model(name: str, attention: str, dropout: str, tiny: bool, checkpointi
     else:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     config._attn_implementation = attention
+    if layers is not None:
+        config.num_hidden_layers = layers  # GPT2Config maps it to n_layer
     model = model_class(config)
     model.loss_type = "ForCausalLM"  # without it, transformers' loss_type warning breaks the graph
     if checkpointing:  # every decoder layer recomputed in the backward, as fine-tuning setups often do
@@ -211,7 +216,7 @@ def run_case(name, attention, dropout, flow, args, device, checkpointing: str = 
     try:
         for backend in BACKENDS:
             torch.manual_seed(0)
-            model = build_model(name, attention, dropout, args.tiny, checkpointing == "on").to(device)
+            model = build_model(name, attention, dropout, args.tiny, checkpointing == "on", args.layers).to(device)
             if args.precision == "bf16":
                 model = model.to(torch.bfloat16)
             batch = make_batch(model.config.vocab_size, size, seq, flow == "padded", device)
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--inner", default="inductor", help="compiler of both sides (aot_eager for a quick check)")
     parser.add_argument("--memopt-options", default="{}", help='memopt options as JSON, e.g. \'{"force": true}\'')
     parser.add_argument("--tiny", action="store_true", help="small models: check the script, not the numbers")
+    parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: its config's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
