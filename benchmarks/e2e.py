@@ -95,7 +95,9 @@ def build_model(
     if layers is not None:
         config.num_hidden_layers = layers  # GPT2Config maps it to n_layer
     model = model_class(config)
-    model.loss_type = "ForCausalLM"  # without it, transformers' loss_type warning breaks the graph
+    # the loss transformers falls back to, named: torch.compile without fxpass imported (whose import has Dynamo
+    # skip the fallback's warning) would otherwise split head and loss into two graphs
+    model.loss_type = "ForCausalLM"
     if checkpointing:  # every decoder layer recomputed in the backward, as fine-tuning setups often do
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()

@@ -83,7 +83,9 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
         raise ValueError(f"unknown model {name!r}")
     config._attn_implementation = attention
     model = model_class(config)
-    model.loss_type = "ForCausalLM"  # without it, transformers' loss_type warning breaks the graph
+    # the loss transformers falls back to, named: torch.compile without fxpass imported (whose import has Dynamo
+    # skip the fallback's warning) would otherwise split head and loss into two graphs
+    model.loss_type = "ForCausalLM"
     return model.train()
 
 

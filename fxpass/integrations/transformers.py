@@ -48,10 +48,10 @@ def missing_loss_type(model: torch.nn.Module) -> str | None:
     """The ``loss_type`` to set on ``model``, or None to leave it.
 
     A model whose ``loss_type`` transformers does not recognise (``GPT2LMHeadModel``'s class name names none,
-    so it is None) makes its ``loss_function`` log a ``warning_once``, which Dynamo cannot trace: the graph
-    breaks between the head and the loss, and the CCE rule sees the logits arrive as an input. transformers
-    then uses the causal-LM loss anyway, so setting that name keeps the model's computation and removes the
-    warning. The Trainer reads the name too: with it, gradient accumulation's ``num_items_in_batch`` counts
+    so it is None) makes its ``loss_function`` log a ``warning_once`` and use the causal-LM loss anyway, so
+    setting that name keeps the model's computation. (``import fxpass`` already has Dynamo skip the warning,
+    which would otherwise split head and loss into two graphs: ``transformers_logging``.) The Trainer reads
+    the name: with it, gradient accumulation's ``num_items_in_batch`` counts
     the shifted labels the loss averages over, as for Llama; without it (GPT-2), it counts one more token a
     row, and the logged loss is that much lower. A model with its own ``loss_function`` never reads
     ``loss_type``.
@@ -85,7 +85,7 @@ def compile_model(
     loss_type = missing_loss_type(model)
     if loss_type is not None:
         log.info(
-            "memopt: %s.loss_type %r -> %r, which transformers would use anyway (its warning breaks the graph)",
+            "memopt: %s.loss_type %r -> %r, which transformers would use anyway (the Trainer reads it)",
             type(model).__name__,
             model.loss_type,
             loss_type,

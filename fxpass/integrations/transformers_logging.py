@@ -30,20 +30,13 @@ LOGGING_MODULE = "transformers.utils.logging"
 log = logging.getLogger(__name__)
 
 
-def _ignored_logging_functions() -> set:
-    """Dynamo's set of logging callables to skip while tracing (renamed from ``ignore_logger_methods``)."""
-    config = torch._dynamo.config
-    found = getattr(config, "ignore_logging_functions", None)
-    return found if found is not None else config.ignore_logger_methods
-
-
 def ignore_warning_once() -> bool:
     """Add transformers' ``Logger.warning_once`` to Dynamo's ignored logging functions; False when transformers
     has not defined it (not imported yet, or a version without it)."""
     method = getattr(logging.Logger, "warning_once", None)
     if method is None:
         return False
-    _ignored_logging_functions().add(method)
+    torch._dynamo.config.ignore_logging_functions.add(method)  # torch 2.11 and 2.13 alike
     return True
 
 

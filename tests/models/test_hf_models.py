@@ -25,7 +25,7 @@ def _gpt2(n_layer: int = 2) -> transformers.GPT2LMHeadModel:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
     model = transformers.GPT2LMHeadModel(config)
-    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name names no loss: without this, a warning graph-breaks
+    model.loss_type = "ForCausalLM"  # as compile_model names it; test_gpt2_as_built_compiles_whole runs without
     assert model.lm_head.weight is model.transformer.wte.weight  # tied, as in the real GPT-2
     return model
 

@@ -167,7 +167,7 @@ def _reasons(report: fxpass.GraphReport) -> list[str]:
 def test_compile_model_compiles_in_place_and_names_the_loss():
     gpt2, llama = _model("gpt2"), _model("llama")
     keys = list(gpt2.state_dict())
-    assert gpt2.loss_type is None  # GPT2LMHeadModel names no loss: transformers warns, which breaks the graph
+    assert gpt2.loss_type is None  # GPT2LMHeadModel names no loss: transformers warns and falls back
     assert missing_loss_type(gpt2) == "ForCausalLM" and missing_loss_type(llama) is None
 
     assert compile_model(gpt2) is gpt2 and compile_model(llama) is llama

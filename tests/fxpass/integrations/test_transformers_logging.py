@@ -14,10 +14,10 @@ import pytest
 
 CHECK = """
     import logging, sys, torch
-    from fxpass.integrations.transformers_logging import _AfterLoggingImport, _ignored_logging_functions
+    from fxpass.integrations.transformers_logging import _AfterLoggingImport
     hooks = [f for f in sys.meta_path if isinstance(f, _AfterLoggingImport)]
     assert not hooks, hooks  # used once, then gone
-    assert logging.Logger.warning_once in _ignored_logging_functions()
+    assert logging.Logger.warning_once in torch._dynamo.config.ignore_logging_functions
 
     logger = logging.getLogger("transformers.check")
 
