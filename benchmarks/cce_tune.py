@@ -5,6 +5,12 @@
 Components: the forward (2·N·V·D FLOPs), and for one backward chunk of C columns the logit-gradient kernel
 (2·N·C·D), cuBLAS's ∂C GEMM and the ∂E accumulation kernel (2·N·C·D each). Prints one line per config;
 the fastest become the defaults in ``lowerings/cce/kernels.py``.
+
+    python benchmarks/cce_tune.py --rowwise --tokens 8192 --vocab 128256 --dim 2048
+
+``--rowwise`` sweeps the row-wise op's rows per chunk instead: forward + backward time and peak of the whole op
+per chunk size, and one chunk's parts (logits GEMM, chunk kernel, ∂E GEMM, ∂C GEMM into the fp32
+accumulator), against 6·N·D·V at cuBLAS's square-GEMM rate. The best becomes ``rowwise.CHUNK_BYTES``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=256000)
     parser.add_argument("--dim", type=int, default=2304)
     parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--rowwise", action="store_true", help="sweep the row-wise op's rows per chunk")
+    parser.add_argument("--rows", default="512,1024,2048,4096", help="rows per chunk for --rowwise")
     args = parser.parse_args(argv)
+    if args.rowwise:
+        return _rowwise_sweep(args.tokens, args.vocab, args.dim, [int(r) for r in args.rows.split(",")])
     n, v, d, chunk = args.tokens, args.vocab, args.dim, args.chunk
     e = (torch.randn(n, d, device="cuda") / d**0.25).bfloat16()
     c = (torch.randn(v, d, device="cuda") / d**0.25).bfloat16()
@@ -97,6 +107,62 @@ def main(argv: list[str] | None = None) -> None:
     a = torch.randn(8192, 8192, device="cuda").bfloat16()
     square = _bench(lambda: a @ a)
     print(f"cuBLAS bf16 8192³: {tflops(2 * 8192**3, square):.0f} TFLOP/s")
+
+
+def _rowwise_sweep(n: int, v: int, d: int, chunk_rows: list[int]) -> None:
+    from lowerings.cce import rowwise
+
+    tflops = lambda flops, ms: flops / ms / 1e9  # noqa: E731
+    e = (torch.randn(n, d, device="cuda") / d**0.25).bfloat16().requires_grad_()
+    c = (torch.randn(v, d, device="cuda") / d**0.25).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    rate = tflops(2 * 8192**3, _bench(lambda: a @ a))
+    ideal = 6 * n * d * v / rate / 1e9
+    print(f"N={n} V={v} D={d}: 6·N·D·V at cuBLAS's {rate:.0f} TFLOP/s = {ideal:.2f} ms", flush=True)
+    original = rowwise.chunk_rows
+
+    def step():
+        loss = torch.ops.memopt.cce_rowwise(e, c, None, t, -100, "mean", 0.0, None, True, True, False)[0]
+        loss.backward()
+        e.grad = c.grad = None
+
+    for rows in chunk_rows:
+        rowwise.chunk_rows = lambda *_, rows=rows: rows
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            whole = _bench(step)
+            parts = _rowwise_chunk_parts(e.detach()[:rows], c.detach(), t[:rows])
+            chunks = -(-n // rows)
+            print(
+                f"rows {rows} ({chunks} chunks): fwd+bwd {whole:.2f} ms ({whole / ideal:.2f}× ideal), "
+                f"peak {peak:.0f} MiB; one chunk: "
+                + ", ".join(f"{name} {ms:.3f}" for name, ms in parts.items()),
+                flush=True,
+            )
+        except Exception as error:  # an allocation too large for the device must not end the sweep
+            print(f"rows {rows}: failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}", flush=True)
+    rowwise.chunk_rows = original
+
+
+def _rowwise_chunk_parts(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> dict[str, float]:
+    """Milliseconds of one chunk's steps in the row-wise op, for the chunk of rows ``e``."""
+    from lowerings.cce import rowwise
+
+    logits = torch.mm(e, c.t())
+    acc = torch.empty(c.shape, device="cuda", dtype=torch.float32)
+    one = torch.ones((), device="cuda")
+    return {
+        "logits GEMM": _bench(lambda: torch.mm(e, c.t(), out=logits)),
+        "chunk kernel": _bench(lambda: rowwise.row_gradient_(logits, t, -100, 0.0, None, one)),
+        "dE GEMM": _bench(lambda: torch.mm(logits, c)),
+        "dC GEMM (first)": _bench(lambda: torch.mm(logits.t(), e, out_dtype=torch.float32, out=acc)),
+        "dC GEMM (+= fp32)": _bench(lambda: torch.addmm(acc, logits.t(), e, out_dtype=torch.float32, out=acc)),
+    }
 
 
 def triton_cdiv(a: int, b: int) -> int:

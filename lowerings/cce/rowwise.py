@@ -65,14 +65,18 @@ def _accumulates_in_fp32(device_type: str) -> bool:
     return device_type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b``, with ``acc`` in the compute dtype of 16-bit (or like-typed) ``a`` and ``b``."""
+def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` for the ``first`` chunk: no zero fill, no read of the accumulator),
+    with ``acc`` in the compute dtype of 16-bit (or like-typed) ``a`` and ``b``."""
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        torch.mm(a, b, out=acc) if first else acc.addmm_(a, b)
     elif _accumulates_in_fp32(acc.device.type):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        if first:
+            torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+        else:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
-        acc.add_(a @ b)
+        acc.copy_(a @ b) if first else acc.add_(a @ b)
 
 
 def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, needs=(True, True, False)):
@@ -145,7 +149,9 @@ def cce_rowwise(
     reference.check_targets(targets, vocab, ignore_index)
     acc = reference.compute_dtype(hidden.dtype)
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    grad_weight = weight.new_zeros(weight.shape, dtype=acc) if need_weight else weight.new_empty(0)
+    grad_weight = weight.new_empty(0)
+    if need_weight:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is zero
+        grad_weight = weight.new_empty(weight.shape, dtype=acc) if n_rows else weight.new_zeros(weight.shape, dtype=acc)
     grad_bias = weight.new_zeros(vocab, dtype=acc) if need_bias and bias is not None else weight.new_empty(0)
     valid = reference.valid_rows(targets, ignore_index)
     # mean: every row's gradient carries 1 / (valid rows), known before the first chunk (0/0 → NaN as PyTorch)
@@ -168,7 +174,7 @@ def cce_rowwise(
         if need_hidden:
             torch.mm(low, weight, out=grad_hidden[rows])
         if need_weight:
-            _add_product_(grad_weight, low.t(), hidden[rows])
+            _add_product_(grad_weight, low.t(), hidden[rows], first=start == 0)
         if grad_bias.numel():  # (never with the kernel: ``_kernel_serves``)
             grad_bias += grad.sum(dim=0)
         # drop this chunk's buffers before the next chunk's GEMM allocates, or two chunks are alive at once
@@ -196,6 +202,12 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.needs = inputs[8:11]
 
 
+def _scaled(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saved · grad_loss`` rounded once to ``dtype``, in one pass (an fp32 product then a cast would write
+    and read ∂C's fp32 size once more: 1 GiB at V = 128256, D = 2048)."""
+    return torch.mul(saved, grad_loss, out=saved.new_empty(saved.shape, dtype=dtype))
+
+
 def _backward(ctx, grad_loss, *_):
     """The upstream scalar times the gradients the forward took; nothing else is computed."""
     grads = []
@@ -205,7 +217,7 @@ def _backward(ctx, grad_loss, *_):
     ):
         if needed and not taken:  # a gradient silently left out would be a wrong answer
             raise RuntimeError(f"memopt.cce_rowwise: {name} needs a gradient but was told need_{name}=False")
-        grads.append((saved * grad_loss).to(dtype) if needed and dtype is not None else None)
+        grads.append(_scaled(saved, grad_loss, dtype) if needed and dtype is not None else None)
     return (*grads, None, None, None, None, None, None, None, None)
 
 

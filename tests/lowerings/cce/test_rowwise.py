@@ -97,6 +97,17 @@ def test_all_targets_ignored_mean_is_nan_like_pytorch():
         assert torch.equal(ours, theirs)
 
 
+def test_no_rows_gives_zero_gradients_like_pytorch():
+    """No chunk runs, so nothing writes ∂C: it must still be zero (the first chunk, not a fill, writes it)."""
+    leaves, _ = _inputs(torch.float64, bias=False)
+    leaves[0] = leaves[0][:0].detach().requires_grad_()
+    no_targets = torch.zeros(0, dtype=torch.long)
+    loss, expected = _ours(leaves, no_targets, "sum"), _eager(leaves, no_targets, "sum")
+    torch.testing.assert_close(loss, expected, **FP64)
+    for ours, theirs in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, leaves), strict=True):
+        assert torch.equal(ours, theirs)
+
+
 def test_out_of_range_target_raises():
     leaves, targets = _inputs(torch.float32, bias=False)
     targets[2] = V
