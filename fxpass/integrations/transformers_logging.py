@@ -12,6 +12,11 @@ left out of Dynamo's config hash, so it changes no cache key).
 ``transformers.utils.logging`` is already imported, else right after that module runs (a one-shot import
 hook that leaves ``sys.meta_path`` on first use). ``import fxpass`` calls it and never imports transformers.
 The setting is process-wide, so plain ``torch.compile`` in the same process loses the graph break too.
+
+torch 2.11 renamed Dynamo's ``ignore_logger_methods`` to ``ignore_logging_functions`` but left the new name out
+of the keys its compile-metrics record skips (pytorch/pytorch#178455), so with any function in the set every
+compile logs a ``TypeError`` traceback ("not JSON serializable"). ``_keep_metrics_serializable`` detects that
+and has the record built with the set emptied for the moment it is read.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import sys
 from types import ModuleType
 
 import torch._dynamo
+import torch._dynamo.utils
 
 LOGGING_MODULE = "transformers.utils.logging"
 
@@ -37,7 +43,29 @@ def ignore_warning_once() -> bool:
     if method is None:
         return False
     torch._dynamo.config.ignore_logging_functions.add(method)  # torch 2.11 and 2.13 alike
+    _keep_metrics_serializable()
     return True
+
+
+def _keep_metrics_serializable() -> None:
+    """Where Dynamo's metrics record cannot serialize the ignored functions (torch 2.11), build it without
+    them; elsewhere do nothing."""
+    utils = torch._dynamo.utils
+    record = getattr(utils, "_get_dynamo_config_for_logging", None)
+    if record is None or getattr(record, "_memopt_serializable", False):
+        return
+    try:
+        record()
+        return
+    except TypeError:
+        pass
+
+    def without_ignored_functions() -> str | None:
+        with torch._dynamo.config.patch(ignore_logging_functions=set()):
+            return record()
+
+    without_ignored_functions._memopt_serializable = True  # type: ignore[attr-defined]
+    utils._get_dynamo_config_for_logging = without_ignored_functions
 
 
 class _AfterLoggingImport(importlib.abc.MetaPathFinder):

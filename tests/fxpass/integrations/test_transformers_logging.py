@@ -27,6 +27,7 @@ CHECK = """
         return x + 1
 
     assert torch.equal(step(torch.zeros(2)), torch.ones(2))
+    assert isinstance(torch._dynamo.utils._get_dynamo_config_for_logging(), str)  # the metrics record serializes
     print("ok")
 """
 
@@ -49,3 +50,26 @@ def test_no_hook_waits_once_transformers_is_imported():
     transformers_logging.install()
     assert not any(isinstance(f, transformers_logging._AfterLoggingImport) for f in sys.meta_path)
     assert transformers_logging.ignore_warning_once()
+
+
+def test_metrics_record_built_without_the_ignored_functions_where_it_cannot_serialize(monkeypatch):
+    """torch 2.11's record serializes the set (pytorch/pytorch#178455): imitated here, the shim empties the set
+    while the record is built, and leaves it whole afterwards."""
+    import json
+
+    import torch
+
+    from fxpass.integrations import transformers_logging
+
+    def record_like_torch_2_11():
+        return json.dumps(sorted(torch._dynamo.config.ignore_logging_functions))
+
+    monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", record_like_torch_2_11)
+    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", {print})
+    transformers_logging._keep_metrics_serializable()
+    shim = torch._dynamo.utils._get_dynamo_config_for_logging
+    assert shim is not record_like_torch_2_11
+    assert shim() == "[]"
+    assert torch._dynamo.config.ignore_logging_functions == {print}
+    transformers_logging._keep_metrics_serializable()  # installed once
+    assert torch._dynamo.utils._get_dynamo_config_for_logging is shim

@@ -136,14 +136,14 @@ def test_working_set_charges_the_saved_gradients():
     row_vectors = rowwise.ROW_VECTOR_BYTES
     if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place: 2 B a logit
         rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
-        assert rows == 1024 * 50000 * 2 // 8 // (50000 * 2 + row_vectors)
+        assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (50000 * 2 + row_vectors)
         in_place = "transient: one chunk of logits, turned into their gradient in place [rows, V]"
         assert chunk == {in_place: rows * (50000 * 2 + row_vectors)}
     product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
     assert (product in terms) == (not rowwise._accumulates_in_fp32("cuda"))
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
-    assert rows == 1024 * 50000 * 2 // 8 // (50000 * 6 + row_vectors)  # logits and their fp32 copy: 6 B a logit
+    assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (50000 * 6 + row_vectors)  # logits and their fp32 copy: 6 B a logit
     assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * (50000 * 6 + row_vectors)
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
 

@@ -1,0 +1,98 @@
+"""Where an end-to-end step's time goes: ``torch.profiler`` over a few steps of one ``benchmarks/e2e.py`` case.
+
+    python benchmarks/profile_step.py --model gpt2 --flow loss_only \
+        --variants 'torch.compile,memopt,memopt:{"cce_variant": "rowwise"}'
+
+Each variant ("torch.compile", "memopt", or "memopt:<options as JSON>") compiles its own copy of the model,
+steps ``--warmup`` times, then ``--steps`` profiled steps. Prints, per variant, the wall time per step and the
+``--top`` operators by their own device time (kernels under the op that launched them), so that two variants'
+tables can be read side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.e2e import build_model, compiled_step, make_batch, training_step
+
+log = logging.getLogger("profile_step")
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"memopt:{...}" → ("memopt", {...}); a bare backend name has no options."""
+    backend, _, options = text.partition(":")
+    return backend, json.loads(options) if options else {}
+
+
+def profile_variant(args: argparse.Namespace, variant: str, device: torch.device) -> str:
+    backend, options = parse_variant(variant)
+    torch.manual_seed(0)
+    model = build_model(args.model, args.attention, args.dropout, args.tiny).to(device)
+    seq, size = args.seq, args.batch
+    batch = make_batch(model.config.vocab_size, size, seq, args.flow == "padded", device)
+    step = compiled_step(model, args.flow, backend, "inductor", options)
+    one_step = training_step(model, step, batch, device, autocast=not args.fp32)
+    for _ in range(args.warmup):
+        one_step()
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    begin = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(args.steps):
+            one_step()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+    wall_ms = (time.perf_counter() - begin) / args.steps * 1e3
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=70)
+    return f"## {variant}: {wall_ms:.1f} ms a step (wall, profiled)\n{table}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2", help="a model of benchmarks/e2e.py")
+    parser.add_argument("--flow", default="loss_only", choices=["loss_only", "whole_model", "padded"])
+    parser.add_argument("--variants", default="torch.compile,memopt")
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--dropout", default="0")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--tiny", action="store_true", help="small models: check the script")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    device = torch.device(args.device)
+    for variant in _split_variants(args.variants):
+        log.info("%s", profile_variant(args, variant, device))
+
+
+def _split_variants(text: str) -> list[str]:
+    """Split on the commas outside JSON braces."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += char == "{"
+        depth -= char == "}"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [*parts, current] if current else parts
+
+
+if __name__ == "__main__":
+    main()
