@@ -40,13 +40,20 @@ CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 
 
 ROW_VECTOR_BYTES = 128  # a row's share of the chunk's per-row vectors (loss terms, max, sum, index, validity)
+ROW_ALIGN = 64  # elements a chunk's logits row is padded to: 128 bytes in 16 bits
+
+
+def padded_vocab(vocab):
+    """The row stride of a chunk's logits. An odd vocabulary (GPT-2's 50257) as the stride would keep cuBLAS off
+    its tensor-core kernels in all three GEMMs that read or write the chunk (Inductor pads such strides too)."""
+    return -(-vocab // ROW_ALIGN) * ROW_ALIGN
 
 
 def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
-    """A row of a chunk: its logits in the input dtype, their copy in the compute dtype unless the chunk kernel
-    turns them into their gradient in place, and its per-row vectors."""
-    copy = 0 if in_place else reference.compute_dtype(dtype).itemsize
-    return vocab * (dtype.itemsize + copy) + ROW_VECTOR_BYTES
+    """A row of a chunk: its logits in the input dtype (padded rows), their copy in the compute dtype unless the
+    chunk kernel turns them into their gradient in place, and its per-row vectors."""
+    copy = 0 if in_place else vocab * reference.compute_dtype(dtype).itemsize
+    return padded_vocab(vocab) * dtype.itemsize + copy + ROW_VECTOR_BYTES
 
 
 def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False):
@@ -101,6 +108,15 @@ def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, ne
     saved = saved + (vocab * acc if need_bias else 0)
     terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
     return terms
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden @ weightᵀ (+ bias)`` [rows, V] with its rows ``padded_vocab`` apart (cuBLAS writes the view)."""
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    logits = hidden.new_empty(rows, padded_vocab(vocab))[:, :vocab]
+    if bias is None:
+        return torch.mm(hidden, weight.t(), out=logits)
+    return torch.addmm(bias, hidden, weight.t(), out=logits)
 
 
 def _chunk_gradient(
@@ -164,7 +180,7 @@ def cce_rowwise(
     step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused))
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        logits = torch.nn.functional.linear(hidden[rows], weight, bias)
+        logits = _chunk_logits(hidden[rows], weight, bias)
         if fused:  # loss terms and the scaled gradient in one kernel, over the logits in place
             total += row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale).sum()
             low = logits

@@ -134,17 +134,20 @@ def test_working_set_charges_the_saved_gradients():
     assert saved == 1024 * 768 * 2 + 50000 * 768 * 4
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
     row_vectors = rowwise.ROW_VECTOR_BYTES
+    padded = 50048  # the chunk's rows are 64 logits apart: the next multiple of 64 above 50000
+    assert rowwise.padded_vocab(50000) == padded and rowwise.padded_vocab(50048) == padded
     if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place: 2 B a logit
         rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
-        assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (50000 * 2 + row_vectors)
+        assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors)
         in_place = "transient: one chunk of logits, turned into their gradient in place [rows, V]"
-        assert chunk == {in_place: rows * (50000 * 2 + row_vectors)}
+        assert chunk == {in_place: rows * (padded * 2 + row_vectors)}
     product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
     assert (product in terms) == (not rowwise._accumulates_in_fp32("cuda"))
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
-    assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (50000 * 6 + row_vectors)  # logits and their fp32 copy: 6 B a logit
-    assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * (50000 * 6 + row_vectors)
+    per_row = padded * 2 + 50000 * 4 + row_vectors  # padded bf16 logits and their fp32 copy
+    assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // per_row
+    assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
 
 
@@ -166,6 +169,15 @@ def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
     for mine, wanted in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, exact), strict=True):
         torch.testing.assert_close(mine.double(), wanted, rtol=1e-4, atol=1e-6)
+
+
+def test_chunk_logits_rows_are_padded_apart_and_written_in_place():
+    """The chunk comes back as the padded view the GEMM wrote, with or without a bias."""
+    hidden, weight, bias = torch.randn(5, 8), torch.randn(37, 8), torch.randn(37)
+    for b in (None, bias):
+        logits = rowwise._chunk_logits(hidden, weight, b)
+        assert logits.shape == (5, 37) and logits.stride() == (rowwise.ROW_ALIGN, 1)
+        torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, weight, b))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
