@@ -44,8 +44,9 @@ ROW_ALIGN = 64  # elements a chunk's logits row is padded to: 128 bytes in 16 bi
 
 
 def padded_vocab(vocab):
-    """The row stride of a chunk's logits. An odd vocabulary (GPT-2's 50257) as the stride would keep cuBLAS off
-    its tensor-core kernels in all three GEMMs that read or write the chunk (Inductor pads such strides too)."""
+    """The vocabulary rounded up to ROW_ALIGN: the classifier's rows and a chunk's logits columns in the GEMMs.
+    An odd vocabulary (GPT-2's 50257) as a leading dimension or as ∂E's reduction length keeps cuBLAS off its
+    tensor-core kernels in all three GEMMs of a chunk (Inductor's ``pad_mm`` pads such shapes too)."""
     return -(-vocab // ROW_ALIGN) * ROW_ALIGN
 
 
@@ -59,7 +60,10 @@ def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
 def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False):
     """Rows per chunk (SymInts give a symbolic answer)."""
     share = torch.sym_min(n_rows * vocab * dtype.itemsize // FRACTION, CHUNK_BYTES.get(device_type, 32 << 20))
-    return torch.sym_max(1, torch.sym_min(n_rows, share // chunk_bytes_per_row(vocab, dtype, in_place)))
+    fits = share // chunk_bytes_per_row(vocab, dtype, in_place)
+    # a multiple of ROW_ALIGN where that leaves any: ∂C's GEMM sums over the chunk's rows
+    aligned = torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, torch.sym_min(fits, ROW_ALIGN - 1))
+    return torch.sym_max(1, torch.sym_min(n_rows, aligned))
 
 
 def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> bool:
@@ -104,19 +108,32 @@ def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, ne
     if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
         product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
         terms[product] = vocab * dim * (dtype.itemsize + acc)
-    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * dim * acc if need_weight else 0)
+    width = padded_vocab(vocab)
+    if not (isinstance(vocab, int) and width == vocab):  # (a symbolic vocabulary is charged the copy)
+        terms["transient: the classifier and its bias, zero-padded to a multiple of 64 rows"] = (
+            width * (dim + 1) * dtype.itemsize
+        )
+    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (width * dim * acc if need_weight else 0)
     saved = saved + (vocab * acc if need_bias else 0)
     terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
     return terms
 
 
+def _padded_rows(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+    """``tensor`` with zero rows appended up to ``rows`` (itself when it has them): the classifier and its bias
+    padded to ``padded_vocab``, so that the padded logits columns are exactly zero."""
+    if tensor is None or tensor.shape[0] == rows:
+        return tensor
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``hidden @ weightᵀ (+ bias)`` [rows, V] with its rows ``padded_vocab`` apart (cuBLAS writes the view)."""
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    logits = hidden.new_empty(rows, padded_vocab(vocab))[:, :vocab]
+    """``hidden @ weightᵀ (+ bias)`` for the padded classifier: [rows, padded V], zero past the vocabulary."""
     if bias is None:
-        return torch.mm(hidden, weight.t(), out=logits)
-    return torch.addmm(bias, hidden, weight.t(), out=logits)
+        return torch.mm(hidden, weight.t())
+    return torch.addmm(bias, hidden, weight.t())
 
 
 def _chunk_gradient(
@@ -167,9 +184,13 @@ def cce_rowwise(
     reference.check_targets(targets, vocab, ignore_index)
     acc = reference.compute_dtype(hidden.dtype)
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    grad_weight = weight.new_empty(0)
+    # Every GEMM runs on the classifier padded to a multiple of ROW_ALIGN rows (zeros): GPT-2's 50257 as a
+    # leading dimension or reduction length keeps cuBLAS on its slow pre-Hopper kernels (5× slower on the H200).
+    width = padded_vocab(vocab)
+    weight_rows, bias_rows = _padded_rows(weight, width), _padded_rows(bias, width)
+    grad_weight_rows = weight.new_empty(0)
     if need_weight:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is zero
-        grad_weight = weight.new_empty(weight.shape, dtype=acc) if n_rows else weight.new_zeros(weight.shape, dtype=acc)
+        grad_weight_rows = (weight.new_empty if n_rows else weight.new_zeros)((width, weight.shape[1]), dtype=acc)
     grad_bias = weight.new_zeros(vocab, dtype=acc) if need_bias and bias is not None else weight.new_empty(0)
     valid = reference.valid_rows(targets, ignore_index)
     # mean: every row's gradient carries 1 / (valid rows), known before the first chunk (0/0 → NaN as PyTorch)
@@ -180,23 +201,23 @@ def cce_rowwise(
     step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused))
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        logits = _chunk_logits(hidden[rows], weight, bias)
+        padded = _chunk_logits(hidden[rows], weight_rows, bias_rows)  # [rows, width]: zero past the vocabulary
+        logits = padded[:, :vocab]
         if fused:  # loss terms and the scaled gradient in one kernel, over the logits in place
             total += row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale).sum()
-            low = logits
         else:
             chunk_loss, grad = _chunk_gradient(logits, targets[rows], ignore_index, label_smoothing, softcap)
             total += chunk_loss
-            grad.mul_(grad_scale)
-            low = logits.copy_(grad) if grad.dtype != logits.dtype else grad  # GEMM operands in the input dtype
+            logits.copy_(grad.mul_(grad_scale))  # GEMM operands in the input dtype, padding columns still zero
         if need_hidden:
-            torch.mm(low, weight, out=grad_hidden[rows])
+            torch.mm(padded, weight_rows, out=grad_hidden[rows])
         if need_weight:
-            _add_product_(grad_weight, low.t(), hidden[rows], first=start == 0)
+            _add_product_(grad_weight_rows, padded.t(), hidden[rows], first=start == 0)
         if grad_bias.numel():  # (never with the kernel: ``_kernel_serves``)
             grad_bias += grad.sum(dim=0)
         # drop this chunk's buffers before the next chunk's GEMM allocates, or two chunks are alive at once
-        logits = low = grad = None
+        padded = logits = grad = None
+    grad_weight = grad_weight_rows[:vocab] if need_weight else grad_weight_rows
     return total * scale, grad_hidden, grad_weight, grad_bias
 
 

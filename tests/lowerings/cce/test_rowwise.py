@@ -131,14 +131,15 @@ def test_opcheck(bias, reduction, softcap):
 def test_working_set_charges_the_saved_gradients():
     terms = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cuda"), (True, True, False))
     saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
-    assert saved == 1024 * 768 * 2 + 50000 * 768 * 4
+    assert saved == 1024 * 768 * 2 + 50048 * 768 * 4  # ∂C has the padded classifier's rows (its first V returned)
+    assert terms["transient: the classifier and its bias, zero-padded to a multiple of 64 rows"] == 50048 * 769 * 2
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
     row_vectors = rowwise.ROW_VECTOR_BYTES
-    padded = 50048  # the chunk's rows are 64 logits apart: the next multiple of 64 above 50000
+    padded = 50048  # the classifier's rows padded to the next multiple of 64 above 50000
     assert rowwise.padded_vocab(50000) == padded and rowwise.padded_vocab(50048) == padded
     if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place: 2 B a logit
         rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
-        assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors)
+        assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors) // 64 * 64
         in_place = "transient: one chunk of logits, turned into their gradient in place [rows, V]"
         assert chunk == {in_place: rows * (padded * 2 + row_vectors)}
     product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
@@ -146,7 +147,7 @@ def test_working_set_charges_the_saved_gradients():
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
     per_row = padded * 2 + 50000 * 4 + row_vectors  # padded bf16 logits and their fp32 copy
-    assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // per_row
+    assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // per_row // 64 * 64
     assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
 
@@ -171,13 +172,34 @@ def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
         torch.testing.assert_close(mine.double(), wanted, rtol=1e-4, atol=1e-6)
 
 
-def test_chunk_logits_rows_are_padded_apart_and_written_in_place():
-    """The chunk comes back as the padded view the GEMM wrote, with or without a bias."""
-    hidden, weight, bias = torch.randn(5, 8), torch.randn(37, 8), torch.randn(37)
-    for b in (None, bias):
-        logits = rowwise._chunk_logits(hidden, weight, b)
-        assert logits.shape == (5, 37) and logits.stride() == (rowwise.ROW_ALIGN, 1)
-        torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, weight, b))
+def test_every_gemm_sees_the_padded_vocabulary(monkeypatch):
+    """With a vocabulary off the alignment (37), the classifier's GEMMs run on 64 zero-padded rows, chunks of 64
+    rows, and the results still match float64 math."""
+    shapes = []
+
+    def recording(gemm):
+        def call(*args, **kwargs):
+            shapes.append(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+            return gemm(*args, **kwargs)
+
+        return call
+
+    for owner, name in ((torch, "mm"), (torch, "addmm"), (torch.Tensor, "addmm_")):
+        monkeypatch.setattr(owner, name, recording(getattr(owner, name)))
+    monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 64)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(150, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(V, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (150,), generator=gen)
+    loss = torch.ops.memopt.cce_rowwise(hidden, weight, None, targets, -100, "mean", 0.0, None, True, True, False)[0]
+    dims = {size for gemm in shapes for shape in gemm for size in shape}
+    assert len(shapes) == 3 * 3 and V not in dims and rowwise.padded_vocab(V) in dims  # logits, ∂E, ∂C a chunk
+    assert dims <= {64, 150 - 128, D, rowwise.padded_vocab(V)}  # chunks of 64 rows, then the 22 left
+    expected = _eager([hidden, weight], targets, "mean")
+    torch.testing.assert_close(loss, expected, **FP64)
+    ours, theirs = torch.autograd.grad(loss, [hidden, weight]), torch.autograd.grad(expected, [hidden, weight])
+    assert ours[1].shape == weight.shape
+    assert_close_all(ours, theirs, **FP64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
