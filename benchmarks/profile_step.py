@@ -36,7 +36,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def profile_variant(args: argparse.Namespace, variant: str, device: torch.device) -> str:
     backend, options = parse_variant(variant)
     torch.manual_seed(0)
-    model = build_model(args.model, args.attention, args.dropout, args.tiny).to(device)
+    model = build_model(args.model, args.attention, args.dropout, args.tiny, args.checkpointing).to(device)
     seq, size = args.seq, args.batch
     batch = make_batch(model.config.vocab_size, size, seq, args.flow == "padded", device)
     step = compiled_step(model, args.flow, backend, "inductor", options)
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    parser.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
