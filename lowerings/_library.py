@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch._guards
 
 NAMESPACE = "memopt"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -47,7 +48,18 @@ def interpreting() -> bool:
 
 
 def launchable(kernel):
-    """``kernel`` wrapped so that Inductor can trace and emit it; the raw kernel under the interpreter."""
-    if interpreting():
+    """``kernel`` wrapped by ``wrap_triton`` while a graph is being traced, so that Inductor records and emits
+    it; otherwise (running, or under the interpreter) the kernel itself.
+
+    A ``wrap_triton`` launch outside tracing still dispatches a higher-order op: about 1 ms of CPU a launch
+    (torch/_library/triton.py says as much) and an entry in Inductor's kernel side table that is never freed.
+    The opaque ops' CUDA bodies (``memopt::cce_backward_rows``, a launch per vocabulary chunk) run at training
+    time, where that cost 20 ms a backward on the H200 (GPT-2 small, 13 chunks)."""
+    if interpreting() or not tracing():
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+def tracing() -> bool:
+    """Whether tensors here are fake: Dynamo, AOTAutograd or Inductor tracing an op's body."""
+    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
