@@ -65,9 +65,9 @@ class Config:
         cce_variant: which CCE op serves a scalar loss: "chunked" (``memopt.cce``, 8·N·D·V FLOPs, keeps only an
             [N] log-sum-exp), "rowwise" (``memopt.cce_rowwise``, 6·N·D·V, keeps the loss's gradients from
             forward to backward) or "auto" (on CUDA the row-wise op where it keeps 3/4 of the chunked one's
-            saving, elsewhere the chunked one: see ``fxpass/rules/cce.py``). "chunked" is the default until an
-            end-to-end run confirms the op-level figures: on the H200 the row-wise op with its chunk kernel took
-            25.2 ms where the chunked one took 32.7 (torch.compile 21.2; BENCHMARKS.md).
+            saving, elsewhere the chunked one: see ``fxpass/rules/cce.py``). "auto" is the default: on the
+            H200 the row-wise op took GPT-2 small's loss-only step to 0.91× torch.compile's time, where the
+            chunked one gave 1.10× (BENCHMARKS.md).
         attention_kernel: which kernel computes a rewritten attention on CUDA: "auto" (default) takes cuDNN's
             fused attention (``aten._scaled_dot_product_cudnn_attention``, which accepts a causal flag and a key
             bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always
@@ -86,7 +86,7 @@ class Config:
     wta_crs_winners: bool = True
     cce_filter_eps: float | str | None = None
     assume_device: str | None = None
-    cce_variant: str = "chunked"
+    cce_variant: str = "auto"
     attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
