@@ -64,7 +64,7 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
     if full:
         from benchmarks.e2e import build_model as build_full
 
-        return build_full(name, attention, "0", tiny=False)
+        return _without_cache(build_full(name, attention, "0", tiny=False))
     import transformers
 
     if name == "gpt2":
@@ -86,7 +86,15 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
     # the loss transformers falls back to, named: torch.compile without fxpass imported (whose import has Dynamo
     # skip the fallback's warning) would otherwise split head and loss into two graphs
     model.loss_type = "ForCausalLM"
-    return model.train()
+    return _without_cache(model.train())
+
+
+def _without_cache(model: nn.Module) -> nn.Module:
+    """No KV cache in training, as fine-tuning scripts set it. With the cache on, each block under FSDP2 (its own
+    frame) guards on its cache layer's state, so Dynamo recompiles once per block and, past its recompile limit
+    (8), runs GPT-2's last four blocks eagerly (seen on the H200)."""
+    model.config.use_cache = False
+    return model
 
 
 def make_batch(vocab: int, batch: int, seq: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:

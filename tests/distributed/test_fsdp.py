@@ -41,3 +41,14 @@ def test_fsdp2_world_of_one_on_gpu(tmp_path):
     assert applied(report) == ["attention", "attention", "cce"]
     (result,) = rank_results(tmp_path, world=1)
     assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-1b"])
+def test_the_driver_trains_without_a_kv_cache(name):
+    """Each sharded block is a frame of its own: with HF's KV cache on it would guard on its cache layer and
+    recompile per block, past Dynamo's limit of 8 (GPT-2 small has 12)."""
+    from examples.distributed.train import build_model
+
+    model = build_model(name, full=False, attention="sdpa")
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    assert model(input_ids=ids).past_key_values is None
