@@ -60,6 +60,9 @@ class Result:
     tokens_per_s: float | None = None
     peak_gib: float | None = None
     peak_ratio: float | None = None  # peak / the first torch.compile variant's peak (same model)
+    # forward + backward only: AdamW's update of a large model can set the step's peak, which no rewrite touches
+    train_peak_gib: float | None = None
+    train_peak_ratio: float | None = None
     warmup_s: float | None = None
     losses: list[float] = dataclasses.field(default_factory=list)
     rewrites: dict[str, int] = dataclasses.field(default_factory=dict)  # rule -> applied, over memopt's graphs
@@ -108,14 +111,28 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def step_timer(warmup: int):
-    """A ``TrainerCallback`` recording the end time of every optimizer step and the CUDA peak after ``warmup``."""
+    """A ``TrainerCallback`` recording the end time of every optimizer step and, after ``warmup`` steps, the CUDA
+    peak of the whole run and that of forward + backward alone (up to each optimizer step)."""
     import transformers
 
     class StepTimer(transformers.TrainerCallback):
         def __init__(self) -> None:
             self.ends: list[float] = []
             self.peak: int | None = None
+            self.train_peak: int | None = None
             self.start = time.perf_counter()
+
+        def _measuring(self) -> bool:
+            return len(self.ends) >= warmup and torch.cuda.is_available()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self._measuring():
+                self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated())
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if self._measuring():
+                self.train_peak = max(self.train_peak or 0, torch.cuda.max_memory_allocated())
 
         def on_step_end(self, args, state, control, **kwargs):
             if torch.cuda.is_available():
@@ -125,9 +142,9 @@ def step_timer(warmup: int):
                 torch.cuda.reset_peak_memory_stats()
 
         def on_train_end(self, args, state, control, **kwargs):
-            if torch.cuda.is_available():
+            if self._measuring():
                 torch.cuda.synchronize()
-                self.peak = torch.cuda.max_memory_allocated()
+                self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated())
 
     return StepTimer()
 
@@ -186,6 +203,7 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, out: Path) ->
         tokens = rows * seq * args.grad_accum
         result.tokens_per_s = tokens / (result.step_ms / 1000) if result.step_ms else None
         result.peak_gib = timer.peak / GiB if timer.peak is not None else None
+        result.train_peak_gib = timer.train_peak / GiB if timer.train_peak is not None else None
         result.losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     except torch.OutOfMemoryError:
         result.note = "out of memory"
@@ -201,30 +219,33 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, out: Path) ->
 
 
 def with_ratios(results: list[Result]) -> list[Result]:
-    """Fill ``peak_ratio``: each peak over the first torch.compile variant's peak for the same model."""
-    baselines: dict[str, float] = {}
-    for r in results:
-        if r.variant.startswith("torch.compile") and r.peak_gib and r.model not in baselines:
-            baselines[r.model] = r.peak_gib
-    for r in results:
-        if r.peak_gib and r.model in baselines:
-            r.peak_ratio = r.peak_gib / baselines[r.model]
+    """Fill the ratios: each peak over the first torch.compile variant's peak for the same model."""
+    for field in ("peak_gib", "train_peak_gib"):
+        baselines: dict[str, float] = {}
+        for r in results:
+            if r.variant.startswith("torch.compile") and getattr(r, field) and r.model not in baselines:
+                baselines[r.model] = getattr(r, field)
+        for r in results:
+            if getattr(r, field) and r.model in baselines:
+                setattr(r, field.replace("_gib", "_ratio"), getattr(r, field) / baselines[r.model])
     return results
 
 
 def table(results: Sequence[Result]) -> str:
     fmt = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
     lines = [
-        "| model | variant | batch × seq | step (ms) | tokens/s | peak (GiB) | peak / torch.compile | warm-up (s) "
-        "| rewrites applied | final loss | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | variant | batch × seq | step (ms) | tokens/s | peak (GiB) | peak / torch.compile "
+        "| forward + backward peak (GiB) | its / torch.compile's | warm-up (s) | rewrites applied | final loss "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         rewrites = ", ".join(f"{rule} {count}" for rule, count in sorted(r.rewrites.items())) or "—"
         loss = fmt(r.losses[-1] if r.losses else None, ".4f")
         lines.append(
             f"| {r.model} | {r.variant} | {r.batch} × {r.seq} | {fmt(r.step_ms, '.1f')} | {fmt(r.tokens_per_s, '.0f')} "
-            f"| {fmt(r.peak_gib, '.2f')} | {fmt(r.peak_ratio, '.2f')} | {fmt(r.warmup_s, '.0f')} | {rewrites} "
+            f"| {fmt(r.peak_gib, '.2f')} | {fmt(r.peak_ratio, '.2f')} | {fmt(r.train_peak_gib, '.2f')} "
+            f"| {fmt(r.train_peak_ratio, '.2f')} | {fmt(r.warmup_s, '.0f')} | {rewrites} "
             f"| {loss} | {r.note} |"
         )
     return "\n".join(lines)

@@ -49,6 +49,13 @@ class Tril:
 
 
 @dataclasses.dataclass(frozen=True)
+class Constant:
+    """A tensor whose every element is ``value``: transformers' packed-sequence ids of unpacked positions."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Diagonal:
     """``j − i ≤ bound`` (op "le") or ``j − i > bound`` (op "gt") for key j and query i."""
 
@@ -168,6 +175,8 @@ def _as_pairs(node: Any, value):
     known = tensor_value(node) if isinstance(node, fx.Node) else None
     if isinstance(value, Tril) and known is not None and known.dtype == torch.bool:
         return CAUSAL
+    if isinstance(value, Constant) and known is not None and known.dtype == torch.bool:
+        return TRUE if value.value else FALSE
     return value
 
 
@@ -182,8 +191,12 @@ def _evaluate(node: Any, real_value: RealValue, memo: dict):
 
 
 def _evaluate_op(node: fx.Node, real_value: RealValue, memo: dict):
+    if _is_gather(node):
+        return _gathered(node, real_value, memo)
     if _is_view_like(node):
         inner = _evaluate(node.args[0], real_value, memo)
+        if isinstance(inner, Constant):
+            return inner  # views, casts and crops of a uniform tensor stay uniform
         if isinstance(inner, Index):
             return _moved_index(node, inner)
         if isinstance(inner, Pairs) and any(isinstance(a, Keys) for a in inner.atoms):
@@ -205,6 +218,11 @@ def _evaluate_op(node: fx.Node, real_value: RealValue, memo: dict):
         return _negate(inner) if isinstance(inner, Pairs) and _is_bool(node.args[0]) else None
     if is_call(node, torch.arange):
         return _arange(node)
+    if is_call(node, torch.diff) or is_method(node, "diff"):
+        return _diff(node, real_value, memo)
+    if is_method(node, "cumsum") or is_call(node, torch.cumsum):
+        inner = _evaluate(node.args[0], real_value, memo)
+        return inner if isinstance(inner, Constant) and inner.value == 0 else None  # running sums of zeros
     if is_call(node, operator.add, torch.add, operator.sub, torch.sub) and len(node.args) == 2 and not node.kwargs:
         return _shifted(node, real_value, memo)
     if (is_call(node, *_AND, *_OR) or is_method(node, *_AND_METHODS, *_OR_METHODS)) and len(node.args) == 2:
@@ -280,6 +298,10 @@ def _moved_index(node: fx.Node, index: Index) -> Index | None:
         return index  # expanding broadcast dims leaves the index's own dimension in place
     if is_call(node, operator.getitem) and not _crop_is_top_left(node.args[1]):
         return None
+    entries = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    if is_call(node, operator.getitem) and all(isinstance(entry, slice) for entry in entries):
+        # prefix crops keep each dimension: the index keeps its axis, and a crop to one element is its first value
+        return Constant(index.offset) if statically_known_true(out.shape[index.axis] == 1) else index
     wide = [d for d, size in enumerate(out.shape) if not statically_known_true(size == 1)]
     if len(wide) != 1:
         return None
@@ -343,8 +365,11 @@ def _shifted(node: fx.Node, real_value: RealValue, memo: dict):
             return None
         base, other = other, base
     value = _evaluate(base, real_value, memo)
-    if isinstance(value, Index) and isinstance(other, int) and not isinstance(other, bool):
-        return dataclasses.replace(value, offset=value.offset + (-other if subtract else other))
+    if isinstance(value, Index | Constant) and isinstance(other, int) and not isinstance(other, bool):
+        shift = -other if subtract else other
+        if isinstance(value, Constant):
+            return Constant(value.value + shift) if isinstance(value.value, int) else None
+        return dataclasses.replace(value, offset=value.offset + shift)
     return None
 
 
@@ -365,6 +390,9 @@ def _comparison(node: fx.Node, real_value: RealValue, memo: dict):
     if isinstance(lhs, Tril | Pairs) and right in (0, 1, 0.0, 1.0) and op in ("eq", "ne"):
         as_set = CAUSAL if isinstance(lhs, Tril) else lhs
         return as_set if (op == "eq") == (right in (1, 1.0)) else _negate(as_set)
+    if isinstance(lhs, Constant) or isinstance(rhs, Constant):
+        return _constant_comparison(op, lhs if isinstance(lhs, Constant) else left, rhs if isinstance(rhs, Constant)
+                                    else right)
     if isinstance(lhs, Index) and isinstance(rhs, Index):
         return _index_comparison(op, lhs, rhs)
     if isinstance(lhs, Index) and isinstance(right, int):
@@ -392,4 +420,53 @@ def _index_against_constant(op: str, index: Index, constant: int) -> Pairs | Non
     """``arange(n) + offset OP c`` that holds for every position (transformers' bidirectional ``q_idx >= 0``)."""
     if (op == "ge" and index.offset >= constant) or (op == "gt" and index.offset > constant):
         return TRUE
+    return None
+
+
+_COMPARE = {"le": operator.le, "ge": operator.ge, "lt": operator.lt, "gt": operator.gt, "eq": operator.eq,
+            "ne": operator.ne}
+
+
+def _constant_comparison(op: str, lhs: Any, rhs: Any) -> Constant | None:
+    """Two uniform tensors (or one and a number) compare to a uniform boolean."""
+    values = [side.value if isinstance(side, Constant) else side for side in (lhs, rhs)]
+    if not all(isinstance(v, int | bool) for v in values):
+        return None
+    return Constant(bool(_COMPARE[op](*values)))
+
+
+def _diff(node: fx.Node, real_value: RealValue, memo: dict) -> Constant | None:
+    """``torch.diff`` of positions along their own (last) dimension is all ones: with ``prepend`` one less than
+    the first position, as transformers builds packed-sequence ids (``find_packed_sequence_indices``), too."""
+    arguments = dict(zip(("input", "n", "dim", "prepend", "append"), node.args, strict=False)) | dict(node.kwargs)
+    positions = _evaluate(arguments["input"], real_value, memo)
+    if not isinstance(positions, Index) or positions.axis != -1 or arguments.get("n", 1) != 1:
+        return None
+    if arguments.get("dim", -1) not in (-1, tensor_value(node).dim() - 1) or arguments.get("append") is not None:
+        return None
+    prepend = arguments.get("prepend")
+    if prepend is not None and _evaluate(prepend, real_value, memo) != Constant(positions.offset - 1):
+        return None
+    return Constant(1)
+
+
+def _is_gather(node: fx.Node) -> bool:
+    """``x[(rows, cols)]`` with two index tensors: transformers reads ``position_ids[batch_idx, q_idx]``."""
+    if not is_call(node, operator.getitem) or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
+        return False
+    return all(isinstance(entry, fx.Node) for entry in node.args[1])
+
+
+def _gathered(node: fx.Node, real_value: RealValue, memo: dict):
+    """``positions[b, i]`` over positions laid along the last dim of a 2-D tensor: position i, on i's axis; a
+    uniform tensor gathers to itself. The batch index must be an ``arange`` (rows in range)."""
+    base, (rows, cols) = _evaluate(node.args[0], real_value, memo), node.args[1]
+    source = tensor_value(node.args[0])
+    if source is None or source.dim() != 2 or not isinstance(_evaluate(rows, real_value, memo), Index):
+        return None
+    if isinstance(base, Constant):
+        return base
+    where = _evaluate(cols, real_value, memo)
+    if isinstance(base, Index) and base.axis == -1 and isinstance(where, Index) and where.offset >= 0:
+        return dataclasses.replace(where, offset=where.offset + base.offset)  # (a negative index would wrap)
     return None

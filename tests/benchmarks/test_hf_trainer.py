@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks.hf_trainer import Result, main, with_ratios
 
@@ -38,3 +39,36 @@ def test_peak_ratios_divide_by_the_first_torch_compile_variant_of_each_model():
         Result("b", "torch.compile/sdpa", 1, 1),  # failed: no peak, no ratios for b
     ])
     assert [r.peak_ratio for r in results] == [0.75, 1.0, 2.0, None, None]
+
+
+def test_forward_backward_peak_ratios_use_their_own_baseline():
+    results = with_ratios([
+        Result("a", "torch.compile/sdpa", 1, 1, peak_gib=4.0, train_peak_gib=2.0),
+        Result("a", "memopt/sdpa", 1, 1, peak_gib=4.0, train_peak_gib=1.0),
+    ])
+    assert [(r.peak_ratio, r.train_peak_ratio) for r in results] == [(1.0, 1.0), (1.0, 0.5)]
+
+
+def test_step_timer_separates_the_optimizer_peak(monkeypatch):
+    """Events in the Trainer's order, with a fake allocator: the forward + backward peak leaves out what the
+    optimizer step allocates, the whole peak keeps it, and warm-up steps count for neither."""
+    from benchmarks.hf_trainer import step_timer
+
+    allocator = {"peak": 0}
+
+    def allocate(n):
+        allocator["peak"] = max(allocator["peak"], n)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: allocator.update(peak=0))
+    timer = step_timer(warmup=1)
+    for forward_backward, optimizer in [(100, 500), (30, 80), (50, 45)]:  # the first step is warm-up
+        timer.on_step_begin(None, None, None)
+        allocate(forward_backward)
+        timer.on_pre_optimizer_step(None, None, None)
+        allocate(optimizer)
+        timer.on_step_end(None, None, None)
+    timer.on_train_end(None, None, None)
+    assert (timer.train_peak, timer.peak) == (50, 80)

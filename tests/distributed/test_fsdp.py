@@ -23,7 +23,9 @@ def test_fsdp2_matches_torch_compile(tmp_path, layout):
     reports = run_driver(tmp_path, "--parallel", "fsdp", "--compile", layout)
     results = rank_results(tmp_path)
     for report in reports:
-        assert applied(report) == ["attention", "attention", "cce"], report["rank"]
+        # each sharded block is a frame of its own; without a KV cache they guard alike, so one rewritten graph
+        # serves both blocks (with the cache each block recompiled, and past 8 blocks fell back to eager)
+        assert applied(report) == ["attention", "cce"], report["rank"]
         attention = [r for r in records(report) if r["rule"] == "attention"]
         # the causal mask is built outside the sharded block and arrives as an input: an exact additive bias
         assert all(r["causal"] is False for r in attention), attention
@@ -38,7 +40,7 @@ def test_fsdp2_world_of_one_on_gpu(tmp_path):
     """One GPU, NCCL, a world of one, Inductor and memopt's Triton kernels under bf16 autocast."""
     args = ("--parallel", "fsdp", "--inner", "inductor", "--autocast", "--seq", "64")
     (report,) = run_driver(tmp_path, *args, world=1, gpu=True)
-    assert applied(report) == ["attention", "attention", "cce"]
+    assert applied(report) == ["attention", "cce"]  # one rewritten graph serves both blocks
     (result,) = rank_results(tmp_path, world=1)
     assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], rtol=2e-2, atol=2e-3)
 

@@ -126,3 +126,47 @@ def test_position_comparisons(compare, expected):
         return compare(i[None, None, None, :], i[None, None, :, None])
 
     assert _kept(fn, torch.zeros(T)) == expected
+
+
+def _positions_mask(position_ids):
+    """transformers without a KV cache or a mask: causal on gathered positions, and the packed-sequence ids of
+    those positions (``find_packed_sequence_indices``) compared per pair."""
+    packed = masking_utils.find_packed_sequence_indices(position_ids)
+    mask_function = masking_utils.and_masks(
+        lambda b, h, q, kv: position_ids[b, kv] <= position_ids[b, q],
+        masking_utils.packed_sequence_mask_function(packed),
+    )
+    return masking_utils.sdpa_mask(
+        batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=None,
+        allow_is_causal_skip=False,
+    )
+
+
+def test_positions_from_arange_prove_causal():
+    """Positions built from arange: every pair is in one packed sequence, and position order is index order."""
+
+    def unpacked(x):
+        return _positions_mask((torch.arange(T) + 0).unsqueeze(0).expand(B, -1))
+
+    structure = _kept(unpacked, torch.zeros(1))
+    assert structure == masks.Structure(causal=True), structure
+
+
+def test_positions_given_as_input_are_not_proved():
+    """Real position ids (two packed sequences per row) make a block-diagonal mask: it stays a tensor."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * B)
+    reason = _kept(_positions_mask, positions)
+    assert isinstance(reason, str) and "not built from" in reason
+
+
+def test_positions_gathered_at_negative_indices_are_not_proved():
+    """``positions[b, q - 1]`` wraps around at q = 0: not the position q - 1 there, so nothing is proved."""
+
+    def shifted(x):
+        positions = torch.arange(T).unsqueeze(0).expand(B, -1)
+        q, kv = torch.arange(T) - 1, torch.arange(T)
+        rows = torch.arange(B)[:, None, None, None]
+        return positions[rows, kv[None, None, None, :]] <= positions[rows, q[None, None, :, None]]
+
+    reason = _kept(shifted, torch.zeros(1))
+    assert isinstance(reason, str), reason

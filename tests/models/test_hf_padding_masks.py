@@ -178,3 +178,35 @@ def test_bf16_autocast(attention):
     torch.testing.assert_close(ex.result, expected, rtol=1e-3, atol=1e-3)
     for actual, wanted in zip(grads(ex.result, params), expected_grads, strict=True):
         assert (actual - wanted).abs().max() <= 0.02 * wanted.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", CAUSAL_LMS)
+def test_no_mask_and_no_cache_is_causal(name, attention):
+    """Fine-tuning scripts turn the KV cache off and often pass no ``attention_mask``. transformers then checks the
+    positions for packed sequences: its mask compares ``position_ids[b, q]`` with ``position_ids[b, kv]`` and the
+    packed-sequence ids computed from ``diff`` and ``cumsum`` of those positions. Built from ``arange``, they
+    prove causal, with no T×T tensor left, and the step equals eager's."""
+    model = _model(name, attention)
+    model.config.use_cache = False
+    ids, _, labels = _batch("ones", masked_lm=False)
+    _, params = zip(*model.named_parameters(), strict=True)
+
+    def step(ids, labels):
+        output = model(input_ids=ids, labels=labels)
+        return output.loss, output.logits
+
+    loss, logits = step(ids, labels)
+    expected_grads = grads(loss + logits.square().mean(), params)
+    torch._dynamo.reset()
+    ex = rewritten(step, ids, labels, **OPTIONS, force=True)
+    records = _attention_records(ex)
+    assert len(records) == 2 and all(r.applied for r in records), [r.reason for r in records]
+    assert all(r.params["mask"].startswith("causal") and "key" not in r.params["mask"] for r in records), [
+        r.params["mask"] for r in records
+    ]
+    assert square_tensors(ex, T) == []
+    actual_loss, actual_logits = ex.result
+    torch.testing.assert_close(actual_loss, loss)
+    torch.testing.assert_close(actual_logits, logits)
+    assert_close_all(grads(actual_loss + actual_logits.square().mean(), params), expected_grads, rtol=1e-4, atol=1e-5)
