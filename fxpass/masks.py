@@ -459,10 +459,11 @@ def _is_gather(node: fx.Node) -> bool:
 
 def _gathered(node: fx.Node, real_value: RealValue, memo: dict):
     """``positions[b, i]`` over positions laid along the last dim of a 2-D tensor: position i, on i's axis; a
-    uniform tensor gathers to itself. The batch index must be an ``arange`` (rows in range)."""
-    base, (rows, cols) = _evaluate(node.args[0], real_value, memo), node.args[1]
+    uniform tensor gathers to itself. Every row holds the same values, so the row index does not matter (one
+    out of range fails at run time, as eager does)."""
+    base, (_, cols) = _evaluate(node.args[0], real_value, memo), node.args[1]
     source = tensor_value(node.args[0])
-    if source is None or source.dim() != 2 or not isinstance(_evaluate(rows, real_value, memo), Index):
+    if source is None or source.dim() != 2:
         return None
     if isinstance(base, Constant):
         return base

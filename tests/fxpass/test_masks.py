@@ -128,7 +128,7 @@ def test_position_comparisons(compare, expected):
     assert _kept(fn, torch.zeros(T)) == expected
 
 
-def _positions_mask(position_ids):
+def _positions_mask(position_ids, batch: int = B):
     """transformers without a KV cache or a mask: causal on gathered positions, and the packed-sequence ids of
     those positions (``find_packed_sequence_indices``) compared per pair."""
     packed = masking_utils.find_packed_sequence_indices(position_ids)
@@ -137,16 +137,18 @@ def _positions_mask(position_ids):
         masking_utils.packed_sequence_mask_function(packed),
     )
     return masking_utils.sdpa_mask(
-        batch_size=B, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=None,
+        batch_size=batch, q_length=T, kv_length=T, mask_function=mask_function, attention_mask=None,
         allow_is_causal_skip=False,
     )
 
 
-def test_positions_from_arange_prove_causal():
-    """Positions built from arange: every pair is in one packed sequence, and position order is index order."""
+@pytest.mark.parametrize("batch", [B, 1])
+def test_positions_from_arange_prove_causal(batch):
+    """Positions built from arange: every pair is in one packed sequence, and position order is index order
+    (also for one sequence, where the batch index has no dimension of its own)."""
 
     def unpacked(x):
-        return _positions_mask((torch.arange(T) + 0).unsqueeze(0).expand(B, -1))
+        return _positions_mask((torch.arange(T) + 0).unsqueeze(0).expand(batch, -1), batch)
 
     structure = _kept(unpacked, torch.zeros(1))
     assert structure == masks.Structure(causal=True), structure
