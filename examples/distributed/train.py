@@ -64,7 +64,7 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
     if full:
         from benchmarks.e2e import build_model as build_full
 
-        return _without_cache(build_full(name, attention, "0", tiny=False))
+        return build_full(name, attention, "0", tiny=False)
     import transformers
 
     if name == "gpt2":
@@ -86,15 +86,18 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
     # the loss transformers falls back to, named: torch.compile without fxpass imported (whose import has Dynamo
     # skip the fallback's warning) would otherwise split head and loss into two graphs
     model.loss_type = "ForCausalLM"
-    return _without_cache(model.train())
+    return model.train()
 
 
-def _without_cache(model: nn.Module) -> nn.Module:
-    """No KV cache in training, as fine-tuning scripts set it. With the cache on, each block under FSDP2 (its own
-    frame) guards on its cache layer's state, so Dynamo recompiles once per block and, past its recompile limit
-    (8), runs GPT-2's last four blocks eagerly (seen on the H200)."""
-    model.config.use_cache = False
-    return model
+def allow_a_graph_per_block(model: nn.Module) -> None:
+    """Raise Dynamo's recompile limit to the number of blocks. Under FSDP2 (and per-block compile) each block is
+    a frame of its own; with HF's KV cache on, each guards on its own cache layer, so Dynamo compiles one graph per
+    block and, past its limit of 8, ran GPT-2's last four blocks eagerly (seen on the H200). Turning the cache off
+    instead lets the blocks share one graph, which WTA-CRS's per-group gradient-norm state does not support yet
+    (two blocks' backwards update the same buffer: a version-counter error)."""
+    blocks = getattr(model.config, "num_hidden_layers", 0)
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, blocks + 8)
 
 
 def make_batch(vocab: int, batch: int, seq: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -152,6 +155,7 @@ def compiled_step(variant: str, setup: Setup, device: torch.device) -> tuple[nn.
     torch.manual_seed(0)
     torch._dynamo.config.optimize_ddp = setup.optimize_ddp
     model = build_model(setup.model, setup.full, setup.attention).to(device)
+    allow_a_graph_per_block(model)
     backend, kwargs = backend_for(variant, setup)
     if setup.compile == "whole":
         wrapped = wrap(model, setup, device)
