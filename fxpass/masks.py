@@ -445,8 +445,12 @@ def _diff(node: fx.Node, real_value: RealValue, memo: dict) -> Constant | None:
     if arguments.get("dim", -1) not in (-1, tensor_value(node).dim() - 1) or arguments.get("append") is not None:
         return None
     prepend = arguments.get("prepend")
-    if prepend is not None and _evaluate(prepend, real_value, memo) != Constant(positions.offset - 1):
-        return None
+    if prepend is not None:  # one column (a wider uniform block would add zero differences) of position − 1
+        width = tensor_value(prepend).shape[-1] if tensor_value(prepend) is not None else None
+        if width is None or not statically_known_true(width == 1):
+            return None
+        if _evaluate(prepend, real_value, memo) != Constant(positions.offset - 1):
+            return None
     return Constant(1)
 
 

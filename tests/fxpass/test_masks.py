@@ -172,3 +172,18 @@ def test_positions_gathered_at_negative_indices_are_not_proved():
 
     reason = _kept(shifted, torch.zeros(1))
     assert isinstance(reason, str), reason
+
+
+def test_packed_ids_from_a_wider_prepend_are_not_proved():
+    """``diff`` with two prepended columns starts with a zero difference, so the ids are not all equal."""
+
+    def wider(x):
+        positions = torch.arange(T).unsqueeze(0).expand(B, -1)
+        steps = torch.diff(positions, prepend=(positions[:, :1] - 1).expand(B, 2), dim=-1)
+        ids = (steps != 1).cumsum(-1)
+        rows = torch.arange(B)[:, None, None, None]
+        q, kv = torch.arange(T)[None, None, :, None], torch.arange(T)[None, None, None, :]
+        return ids[rows, q] == ids[rows, kv]
+
+    reason = _kept(wider, torch.zeros(1))
+    assert isinstance(reason, str), reason
