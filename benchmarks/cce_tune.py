@@ -150,18 +150,22 @@ def _rowwise_sweep(n: int, v: int, d: int, chunk_rows: list[int]) -> None:
 
 
 def _rowwise_chunk_parts(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of one chunk's steps in the row-wise op, for the chunk of rows ``e``."""
+    """Milliseconds of one chunk's steps in the row-wise op, for the chunk of rows ``e``, on the classifier
+    padded as the op pads it (``rowwise.padded_vocab``)."""
     from lowerings.cce import rowwise
 
-    logits = torch.mm(e, c.t())
+    vocab = c.shape[0]
+    c = rowwise._padded_rows(c, rowwise.padded_vocab(vocab))
+    padded = rowwise._chunk_logits(e, c, None)
+    logits = padded[:, :vocab]
     acc = torch.empty(c.shape, device="cuda", dtype=torch.float32)
     one = torch.ones((), device="cuda")
     return {
-        "logits GEMM": _bench(lambda: torch.mm(e, c.t(), out=logits)),
+        "logits GEMM": _bench(lambda: torch.mm(e, c.t(), out=padded)),
         "chunk kernel": _bench(lambda: rowwise.row_gradient_(logits, t, -100, 0.0, None, one)),
-        "dE GEMM": _bench(lambda: torch.mm(logits, c)),
-        "dC GEMM (first)": _bench(lambda: torch.mm(logits.t(), e, out_dtype=torch.float32, out=acc)),
-        "dC GEMM (+= fp32)": _bench(lambda: torch.addmm(acc, logits.t(), e, out_dtype=torch.float32, out=acc)),
+        "dE GEMM": _bench(lambda: torch.mm(padded, c)),
+        "dC GEMM (first)": _bench(lambda: torch.mm(padded.t(), e, out_dtype=torch.float32, out=acc)),
+        "dC GEMM (+= fp32)": _bench(lambda: torch.addmm(acc, padded.t(), e, out_dtype=torch.float32, out=acc)),
     }
 
 

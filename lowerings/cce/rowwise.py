@@ -185,7 +185,8 @@ def cce_rowwise(
     acc = reference.compute_dtype(hidden.dtype)
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     # Every GEMM runs on the classifier padded to a multiple of ROW_ALIGN rows (zeros): GPT-2's 50257 as a
-    # leading dimension or reduction length keeps cuBLAS on its slow pre-Hopper kernels (5× slower on the H200).
+    # leading dimension or reduction length keeps cuBLAS on its slow pre-Hopper kernels (the op 3.2× slower at
+    # GPT-2's loss shape on the H200: 30.8 against 9.7 ms).
     width = padded_vocab(vocab)
     weight_rows, bias_rows = _padded_rows(weight, width), _padded_rows(bias, width)
     grad_weight_rows = weight.new_empty(0)
