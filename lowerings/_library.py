@@ -63,3 +63,11 @@ def launchable(kernel):
 def tracing() -> bool:
     """Whether tensors here are fake: Dynamo, AOTAutograd or Inductor tracing an op's body."""
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
+
+
+def register_effectful(op: torch.library.CustomOpDef) -> None:
+    """Mark ``op`` as having an ordered side effect: graph passes keep it although nothing reads its output,
+    and keep it in order with other effectful ops (AOTAutograd threads an effect token through them)."""
+    from torch._higher_order_ops import effects
+
+    effects._register_effectful_op(op._opoverload, effects._EffectType.ORDERED)

@@ -60,11 +60,15 @@ class Setup:
 
 
 def build_model(name: str, full: bool, attention: str) -> nn.Module:
-    """An HF causal LM from its config, dropout off (so both variants see the same computation)."""
+    """An HF causal LM from its config, dropout off (so both variants see the same computation), without the KV
+    cache: a training step reads none, and without it the blocks pass the same guards and share one graph (one
+    compile instead of one per block)."""
     if full:
         from benchmarks.e2e import build_model as build_full
 
-        return build_full(name, attention, "0", tiny=False)
+        model = build_full(name, attention, "0", tiny=False)
+        model.config.use_cache = False
+        return model
     import transformers
 
     if name == "gpt2":
@@ -82,6 +86,7 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
     else:
         raise ValueError(f"unknown model {name!r}")
     config._attn_implementation = attention
+    config.use_cache = False
     model = model_class(config)
     # the loss transformers falls back to, named: torch.compile without fxpass imported (whose import has Dynamo
     # skip the fallback's warning) would otherwise split head and loss into two graphs
@@ -91,10 +96,9 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
 
 def allow_a_graph_per_block(model: nn.Module) -> None:
     """Raise Dynamo's recompile limit to the number of blocks. Under FSDP2 (and per-block compile) each block is
-    a frame of its own; with HF's KV cache on, each guards on its own cache layer, so Dynamo compiles one graph per
-    block and, past its limit of 8, ran GPT-2's last four blocks eagerly (seen on the H200). Turning the cache off
-    instead lets the blocks share one graph, which WTA-CRS's per-group gradient-norm state does not support yet
-    (two blocks' backwards update the same buffer: a version-counter error)."""
+    a frame of its own; where each guards on something of its own (HF's KV cache on: its own cache layer), Dynamo
+    compiles one graph per block and, past its limit of 8, ran GPT-2's last four blocks eagerly (seen on the
+    H200)."""
     blocks = getattr(model.config, "num_hidden_layers", 0)
     limit = torch._dynamo.config.recompile_limit
     torch._dynamo.config.recompile_limit = max(limit, blocks + 8)

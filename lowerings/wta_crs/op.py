@@ -2,7 +2,7 @@
 
     index, rows = sample(x2d, estimate, budget, period, winners)   # PyTorch + the one-program draw kernel
     *outputs = torch.ops.memopt.wta_crs_linears(x, [W_q, W_k, W_v], [b_q, b_v], [0, -1, 1],
-                                                index, rows, estimate, period)
+                                                index, rows, estimate, key, period)
 
 ``x`` is [..., D_in] (its leading dimensions are the tokens), each ``W`` [D_out, D_in]; ``bias_of[i]`` is the
 index in ``biases`` of weight i's bias, or -1 when it has none. The outputs are exact (x Wᵀ + b); so are the
@@ -10,8 +10,15 @@ input and bias gradients. Autograd saves only ``rows``, the k = ceil(budget·N) 
 weighted, and their ``index``; each weight gradient is the unbiased WTA-CRS estimate G[index]ᵀ rows. One
 sample serves every linear of the group (Q/K/V, gate/up), so the rows are stored once. ``period`` is the
 sequence length: token i sits at position i mod period, and 0 takes x.shape[-2] for inputs of 3 or more
-dimensions. ``estimate`` is the group's running gradient-norm estimate (``state.py``); the backward folds
-this step's gradient norms into it in place.
+dimensions. ``estimate`` is the group's running gradient-norm estimate and ``key`` its name (``state.py``):
+the backward folds this step's gradient norms into it through ``memopt::wta_crs_store``.
+
+The store is an effectful op that writes the estimate by name, hiding the write from autograd. A graph
+called several times before one backward (blocks that share one compiled graph, two forwards of one model
+before the backward) saves the same estimate once per call, and an in-place write that autograd saw would
+fail every later backward's saved-tensor version check. The estimate only steers sampling, so what the
+calls of one step read in their backward (their own forward's values or a later call's update) never biases a
+gradient.
 
 Only the linears form an opaque op: sampling and the backward are ordinary PyTorch, which AOTAutograd traces
 into the compiled graphs, so Inductor fuses them and no per-op Python runs at training time. The draw itself
@@ -26,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings._library import HAS_TRITON, device_op, interpreting, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, NAMESPACE, device_op, interpreting, on_cuda, reference_op, register_effectful
 from lowerings.wta_crs import reference, state
 
 if HAS_TRITON:
@@ -103,7 +110,7 @@ def sampled_linears(
     estimate = state.estimate(key, x.device).values
     period = _period(x, period)
     index, rows = sample(x.detach().reshape(-1, x.shape[-1]), estimate, budget, period, winners)
-    return torch.ops.memopt.wta_crs_linears(x, weights, biases, bias_of, index, rows, estimate, period)
+    return torch.ops.memopt.wta_crs_linears(x, weights, biases, bias_of, index, rows, estimate, key, period)
 
 
 @reference_op("wta_crs_linears")
@@ -115,20 +122,21 @@ def wta_crs_linears(
     index: torch.Tensor,
     rows: torch.Tensor,
     estimate: torch.Tensor,
+    key: str,
     period: int,
 ) -> list[torch.Tensor]:
     return [F.linear(x, w, biases[b] if b >= 0 else None) for w, b in zip(weights, bias_of, strict=True)]
 
 
 @wta_crs_linears.register_fake
-def _(x, weights, biases, bias_of, index, rows, estimate, period):
+def _(x, weights, biases, bias_of, index, rows, estimate, key, period):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weights, biases, bias_of, index, rows, estimate, period = inputs
+    x, weights, biases, bias_of, index, rows, estimate, key, period = inputs
     ctx.save_for_backward(index, rows, estimate, *weights)
-    ctx.period, ctx.bias_of = period, list(bias_of)
+    ctx.key, ctx.period, ctx.bias_of = key, period, list(bias_of)
     ctx.x_shape = x.shape
     ctx.x_requires_grad = x.requires_grad
     ctx.weights_require_grad = [w.requires_grad for w in weights]
@@ -154,17 +162,28 @@ def _backward(ctx, output_grads):
         grads[ctx.bias_of.index(slot)].sum(0) if need else None for slot, need in enumerate(ctx.biases_require_grad)
     ]
     norms = torch.sqrt(sum(_row_norms(g).square() for g in grads))
-    _record(estimate, norms, ctx.period)
-    return grad_x, grad_weights, grad_biases, None, None, None, None, None
+    torch.ops.memopt.wta_crs_store(reference.GradNormEstimate(estimate).updated(norms, ctx.period), ctx.key)
+    return grad_x, grad_weights, grad_biases, None, None, None, None, None, None
 
 
 wta_crs_linears.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _record(estimate: torch.Tensor, grad_norms: torch.Tensor, period: int) -> None:
-    """Fold one step's output-gradient row norms into the running per-position estimate, in place.
+@torch.library.custom_op(f"{NAMESPACE}::wta_crs_store", mutates_args=())
+def wta_crs_store(values: torch.Tensor, key: str) -> None:
+    """Write this step's estimate into the group's state (``state.py``), one copy, hidden from autograd.
 
-    Plain PyTorch in the backward formula: AOTAutograd keeps this mutation of a forward input in the compiled
-    backward, where Inductor fuses the update and its write into the buffer with the gradient-norm kernels.
-    (An opaque op here ran ~13 eager kernels per group per step.)"""
-    reference.GradNormEstimate(estimate).update(grad_norms, period)
+    The update itself is plain PyTorch in the backward formula, which Inductor fuses with the gradient-norm
+    kernels; only the write is opaque. It names its target instead of taking it as an argument, so nothing
+    in the graph is mutated, and it is registered as effectful so that no pass drops it for having no output."""
+    target = state.estimate(key, values.device).values
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
+        target.copy_(values)
+
+
+@wta_crs_store.register_fake
+def _(values, key):
+    return None
+
+
+register_effectful(wta_crs_store)

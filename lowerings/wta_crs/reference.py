@@ -60,9 +60,14 @@ class GradNormEstimate:
         return estimate.clamp_min(GRAD_FLOOR * mean)
 
     def update(self, grad_norms: torch.Tensor, period) -> None:
-        """Fold this step's per-row gradient norms (rows of [..., period] tokens) into the per-position averages,
-        in place. Every position holds the same number of rows, so the average of the positions that share the
-        last slot is the average of their rows; reductions and a gather, no scatter."""
+        """Fold this step's per-row gradient norms into the per-position averages, in place."""
+        self.values.copy_(self.updated(grad_norms, period))
+
+    def updated(self, grad_norms: torch.Tensor, period) -> torch.Tensor:
+        """The values after folding in this step's per-row gradient norms (rows of [..., period] tokens).
+
+        Every position holds the same number of rows, so the average of the positions that share the last slot
+        is the average of their rows; reductions and a gather, no scatter."""
         period = torch.sym_max(period, 1)
         per_position = grad_norms.float().reshape(-1, period).mean(0)  # [period]
         last = MAX_POSITIONS - 1
@@ -72,7 +77,7 @@ class GradNormEstimate:
         current = torch.where(slots < last, per_position[slots.clamp_max(period - 1)], tail)
         observed = slots < period
         blended = torch.where(self.values > 0, EMA_DECAY * self.values + (1 - EMA_DECAY) * current, current)
-        self.values.copy_(torch.where(observed, blended, self.values))
+        return torch.where(observed, blended, self.values)
 
 
 def positions_of(rows: int, period: int, device: torch.device) -> torch.Tensor:

@@ -42,11 +42,12 @@ def test_ddp_small_buckets_keep_patterns_whole(tmp_path):
 
 
 def test_ddp_per_block_compile_with_compiled_head_loss(tmp_path):
-    """Llama's shape, each block compiled alone, classifier + loss in one graph: CCE and attention apply."""
+    """Llama's shape, each block compiled alone, classifier + loss in one graph: CCE and attention apply (the
+    blocks share one graph: one attention record)."""
     reports = run_driver(tmp_path, "--parallel", "ddp", "--compile", "blocks", "--model", "llama-1b")
     results = rank_results(tmp_path)
     for report in reports:
-        assert applied(report) == ["attention", "attention", "cce"], report["rank"]
+        assert applied(report) == ["attention", "cce"], report["rank"]
     for result in results:
         assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], **TOL)
     assert_same_grads(results[1]["memopt"]["grads"], results[0]["memopt"]["grads"], rtol=0, atol=0)

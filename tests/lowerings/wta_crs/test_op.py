@@ -211,7 +211,9 @@ def test_opcheck(dtype):
     b = torch.randn(6, dtype=dtype, requires_grad=True)
     estimate = torch.zeros(reference.MAX_POSITIONS)
     index, rows = sample(x.detach().reshape(-1, 8), estimate, 0.5, 20, True)
-    torch.library.opcheck(torch.ops.memopt.wta_crs_linears.default, (x, [w], [b], [0], index, rows, estimate, 20))
+    torch.library.opcheck(
+        torch.ops.memopt.wta_crs_linears.default, (x, [w], [b], [0], index, rows, estimate, "tests:opcheck", 20)
+    )
 
 
 @pytest.mark.parametrize("winners", [True, False])
