@@ -940,18 +940,25 @@ def _size(add, node: fx.Node, dim: int) -> int | fx.Node:
 
 
 def _sdpa_with_mask_structure(add, candidate: AttentionMatch) -> fx.Node:
-    """The SDPA call again, with ``is_causal=True`` or a [B, 1, 1, Tk] mask (same dtype) in place of the T×T one."""
+    """The SDPA call again, with ``is_causal=True`` or a [B, 1, 1, Tk] mask (same dtype) in place of the T×T one.
+
+    Under autocast with mixed input dtypes, q, k, v and a float mask are cast to autocast's dtype here, as autocast
+    does inside SDPA: the new node's value is computed outside autocast, where SDPA rejects mixed dtypes."""
     node = candidate.softmax
     bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
+    q, k, v = bound["query"], bound["key"], bound["value"]
+    if candidate.compute_dtype is not None:
+        q, k, v = (cast_to(add, t, candidate.compute_dtype) for t in (q, k, v))
     mask = None
     if candidate.sdpa_mask == "keys":
         mask = _key_keep(add, candidate.key_masks)
         if candidate.sdpa_fill is not None:
             mask = add("call_function", torch.where, mask, 0.0, candidate.sdpa_fill)
-            mask = add("call_method", "to", mask, tensor_value(candidate.mask_nodes[0]).dtype)
+            mask_dtype = candidate.compute_dtype or tensor_value(candidate.mask_nodes[0]).dtype
+            mask = add("call_method", "to", mask, mask_dtype)
     kwargs = {"attn_mask": mask, "dropout_p": bound["dropout_p"], "is_causal": candidate.sdpa_mask == "is_causal"}
     kwargs.update({key: bound[key] for key in ("scale", "enable_gqa") if key in node.kwargs or bound[key]})
-    return add("call_function", node.target, bound["query"], bound["key"], bound["value"], **kwargs)
+    return add("call_function", node.target, q, k, v, **kwargs)
 
 
 def _key_keep(add, keys: tuple[masks.Keys, ...]) -> fx.Node:

@@ -267,6 +267,22 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
         self.assertNotIn("tril", after_code(ex))
         self.assertIn("is_causal = True", after_code(ex))
 
+    def test_sdpa_mask_flag_under_autocast_with_mixed_dtypes(self):
+        """Llama's rotary embedding leaves q and k in fp32 beside a bf16 v; autocast casts all three (and a float
+        mask) to bf16 inside SDPA. The SDPA call that replaces the masked one casts them itself, as autocast did:
+        traced outside autocast, the mixed dtypes failed SDPA's check and the rule was skipped (seen with HF
+        Trainer and ``bf16=True`` on the H200)."""
+
+        def fn(q, k, v):
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return F.scaled_dot_product_attention(q, k, v.to(torch.bfloat16), attn_mask=mask)
+
+        ex = _check(fn, *_qkv())
+        (record,) = _attention_records(ex)
+        self.assertTrue(record.applied, record.reason)
+        self.assertIn("is_causal = True", after_code(ex))
+
     def test_softmax_that_is_not_attention(self):
         gate = nn.Linear(D, 4)
         ex = rewritten(lambda x: torch.softmax(gate(x), dim=-1).sum(), torch.randn(B, T, D))

@@ -10,6 +10,9 @@ import torch.nn.functional as F
 from lowerings.wta_crs import reference, reset_estimates, sampled_linears, state
 from lowerings.wta_crs.op import sample
 
+# Triton kernels run on the GPU where there is one, else in Triton's interpreter on CPU tensors (conftest.py).
+KERNELS_ON = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(autouse=True)
 def _fresh_estimates():
@@ -236,10 +239,11 @@ def test_kernels_match_reference():
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(37, 21, generator=gen)
-    torch.testing.assert_close(kernels.row_norms(x), reference.row_norms(x))
+    torch.testing.assert_close(kernels.row_norms(x.to(KERNELS_ON)).cpu(), reference.row_norms(x))
     index = torch.randint(0, 37, (11,), generator=gen)
     weight = torch.rand(11, generator=gen) + 0.5
-    torch.testing.assert_close(kernels.gather_rows(x, index, weight), reference.gather_rows(x, index, weight))
+    gathered = kernels.gather_rows(*(t.to(KERNELS_ON) for t in (x, index, weight)))
+    torch.testing.assert_close(gathered.cpu(), reference.gather_rows(x, index, weight))
 
 
 def test_full_budget_is_exact():
@@ -310,7 +314,8 @@ def test_draw_kernel_follows_the_estimator(rows, k, spread, winners):
     gen = torch.Generator().manual_seed(rows + k)
     scores = torch.exp(spread * torch.randn(rows, generator=gen))
     uniforms = torch.rand(k, generator=gen)
-    n = check_sample(scores, uniforms, *kernels.draw(scores, uniforms, winners), winners)
+    drawn = (t.cpu() for t in kernels.draw(scores.to(KERNELS_ON), uniforms.to(KERNELS_ON), winners))
+    n = check_sample(scores, uniforms, *drawn, winners)
     assert not winners or spread == 0 or n > 0  # the cases exercise both slot kinds
     check_sample(scores, uniforms, *reference.draw(reference.normalize(scores), uniforms, winners), winners)
 
@@ -323,7 +328,7 @@ def test_draw_kernel_when_a_few_rows_hold_all_the_mass():
 
     scores = torch.tensor([1e30, 1.0, 1.0, 0.0])
     uniforms = torch.tensor([0.25, 0.75])
-    index, weight = kernels.draw(scores, uniforms, True)
+    index, weight = (t.cpu() for t in kernels.draw(scores.to(KERNELS_ON), uniforms.to(KERNELS_ON), True))
     assert index[0] == 0 and weight[0] == 1
     expected_index, expected_weight = reference.draw(reference.normalize(scores), uniforms, True)
     assert torch.equal(index, expected_index)
