@@ -132,8 +132,12 @@ def valid_rows(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Raise like PyTorch's cross-entropy on a class index outside [0, V) that is not ignored."""
+    """Raise like PyTorch's cross-entropy on a class index outside [0, V) that is not ignored: an IndexError on
+    CPU, a device-side assert on CUDA (no host sync, which a CUDA-graph capture forbids)."""
     bad = valid_rows(targets, ignore_index) & ((targets < 0) | (targets >= vocab))
+    if targets.is_cuda:
+        torch._assert_async(~bad.any(), "memopt.cce: a target is out of bounds")
+        return
     if bool(bad.any()):
         first = int(targets[bad][0])
         raise IndexError(f"Target {first} is out of bounds (vocabulary size {vocab}).")
