@@ -97,7 +97,8 @@ def test_rowwise_no_worse_than_eager_same_dtype(monkeypatch, dtype, weight_dtype
 
 
 def test_inductor_emits_the_forward_kernel():
-    """Compiled with backend=memopt, the CCE forward Triton kernel appears in Inductor's output code."""
+    """Compiled with backend=memopt and the chunked variant, the CCE forward Triton kernel appears in Inductor's
+    output code (the row-wise variant, CUDA's default, runs cuBLAS GEMMs and no such kernel)."""
     from torch._inductor.utils import run_and_get_code
 
     hidden, weight, _, targets = _lm_batch(512, 8192, 128, torch.bfloat16)
@@ -106,7 +107,8 @@ def test_inductor_emits_the_forward_kernel():
     def step(h, t):
         return F.cross_entropy(F.linear(h, weight).float(), t)
 
-    compiled = torch.compile(step, backend=fxpass.memopt_backend, options={"strict": True})
+    options = {"strict": True, "cce_variant": "chunked"}
+    compiled = torch.compile(step, backend=fxpass.memopt_backend, options=options)
     loss, codes = run_and_get_code(compiled, hidden, targets)
     assert any("_lse_forward_kernel" in code for code in codes), "kernel missing from the output code"
     torch.testing.assert_close(loss, step(hidden, targets), rtol=2e-3, atol=2e-3)
