@@ -94,16 +94,6 @@ def build_model(name: str, full: bool, attention: str) -> nn.Module:
     return model.train()
 
 
-def allow_a_graph_per_block(model: nn.Module) -> None:
-    """Raise Dynamo's recompile limit to the number of blocks. Under FSDP2 (and per-block compile) each block is
-    a frame of its own; where each guards on something of its own (HF's KV cache on: its own cache layer), Dynamo
-    compiles one graph per block and, past its limit of 8, ran GPT-2's last four blocks eagerly (seen on the
-    H200)."""
-    blocks = getattr(model.config, "num_hidden_layers", 0)
-    limit = torch._dynamo.config.recompile_limit
-    torch._dynamo.config.recompile_limit = max(limit, blocks + 8)
-
-
 def make_batch(vocab: int, batch: int, seq: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Each rank its own tokens, so the all-reduce has something to average."""
     generator = torch.Generator().manual_seed(1000 + rank)
@@ -154,12 +144,12 @@ def wrap(model: nn.Module, setup: Setup, device: torch.device) -> nn.Module:
 
 def compiled_step(variant: str, setup: Setup, device: torch.device) -> tuple[nn.Module, Callable]:
     """(the model, a function of (ids, labels) returning the loss), built the way ``setup`` says."""
-    from fxpass.integrations.blocks import HeadLoss, compile_blocks
+    from fxpass.integrations.blocks import HeadLoss, allow_a_graph_per_block, compile_blocks
 
     torch.manual_seed(0)
     torch._dynamo.config.optimize_ddp = setup.optimize_ddp
     model = build_model(setup.model, setup.full, setup.attention).to(device)
-    allow_a_graph_per_block(model)
+    allow_a_graph_per_block(getattr(model.config, "num_hidden_layers", 0))  # FSDP2 makes each block a frame
     backend, kwargs = backend_for(variant, setup)
     if setup.compile == "whole":
         wrapped = wrap(model, setup, device)

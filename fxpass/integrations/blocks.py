@@ -104,10 +104,24 @@ def compile_blocks(
     elif mode is not None:
         compile_kwargs["mode"] = mode
     named = find_blocks(model, blocks)
+    allow_a_graph_per_block(len(named))
     for _, block in named:
         block.compile(backend=backend, **compile_kwargs)
     log.info("memopt: compiled %d blocks of %s one by one", len(named), type(model).__name__)
     return [name for name, _ in named]
+
+
+def allow_a_graph_per_block(blocks: int) -> None:
+    """Raise Dynamo's recompile limit so that each of ``blocks`` blocks may compile a graph of its own.
+
+    Blocks compiled one by one (or split by FSDP2's hooks) are frames of one code object. Where each guards on
+    something of its own (HF's KV cache on: its own cache layer), Dynamo compiles a graph per block and, past
+    its limit of 8, runs the rest eagerly, unrewritten (GPT-2's last four blocks on the H200). Without the
+    cache the blocks share one graph and the limit is never reached."""
+    wanted = blocks + 8
+    if torch._dynamo.config.recompile_limit < wanted:
+        log.info("memopt: Dynamo's recompile limit raised to %d for %d blocks", wanted, blocks)
+        torch._dynamo.config.recompile_limit = wanted
 
 
 class HeadLoss(nn.Module):

@@ -42,29 +42,3 @@ def test_fsdp2_world_of_one_on_gpu(tmp_path):
     assert applied(report) == ["attention", "cce"]
     (result,) = rank_results(tmp_path, world=1)
     assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], rtol=2e-2, atol=2e-3)
-
-
-def test_every_block_gets_its_graph_past_dynamo_recompile_limit():
-    """Ten blocks compiled one by one (as under FSDP2): HF's KV cache makes each guard on its own cache layer, so
-    each compiles a graph; past Dynamo's default limit of 8 the rest would run eagerly, unrewritten."""
-    import transformers
-
-    import fxpass
-    from examples.distributed.train import allow_a_graph_per_block
-    from fxpass.integrations.blocks import compile_blocks
-
-    config = transformers.GPT2Config(
-        n_embd=32, n_layer=10, n_head=2, vocab_size=64, n_positions=32, attn_implementation="eager"
-    )
-    model = transformers.GPT2LMHeadModel(config)
-    limit = torch._dynamo.config.recompile_limit
-    try:
-        allow_a_graph_per_block(model)
-        compile_blocks(model, options={"inner_compiler": "aot_eager", "force": True})
-        torch._dynamo.reset()
-        fxpass.clear_reports()
-        model(input_ids=torch.randint(0, 64, (1, 8)))
-    finally:
-        torch._dynamo.config.recompile_limit = limit
-    attention = [r for report in fxpass.reports() for r in report.records if r.rule == "attention" and r.applied]
-    assert len(attention) == 10

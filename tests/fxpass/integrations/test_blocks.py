@@ -82,3 +82,20 @@ def test_find_blocks_by_class_and_path():
     assert by_class == [name for name, _ in find_blocks(model, "model.layers")] == ["model.layers.0", "model.layers.1"]
     with pytest.raises(ValueError, match="names no block classes"):
         find_blocks(torch.nn.Linear(2, 2))
+
+
+def test_every_block_gets_its_graph_past_dynamo_recompile_limit():
+    """Ten blocks with HF's KV cache on: each guards on its own cache layer and compiles a graph of its own.
+    ``compile_blocks`` raises Dynamo's limit (8 by default), past which the rest would run eagerly, unrewritten."""
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=10, n_head=2, vocab_size=64, n_positions=32, attn_implementation="eager"
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        compile_blocks(model, options={"inner_compiler": "aot_eager", "force": True})
+        model(input_ids=torch.randint(0, 64, (1, 8)), use_cache=True)
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+    attention = [r for report in fxpass.reports() for r in report.records if r.rule == "attention" and r.applied]
+    assert len(attention) == 10
