@@ -65,9 +65,27 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
 
 
-def register_effectful(op: torch.library.CustomOpDef) -> None:
-    """Mark ``op`` as having an ordered side effect: graph passes keep it although nothing reads its output,
-    and keep it in order with other effectful ops (AOTAutograd threads an effect token through them)."""
+def keep_side_effect(op: torch.library.CustomOpDef) -> None:
+    """Keep ``op`` in compiled graphs although nothing reads its output (it writes process state).
+
+    Where Inductor asks ``torch._library.utils.is_impure`` whether a fallback kernel has side effects (torch
+    2.13), the op joins FX's side-effectful functions: every pass keeps it and the graph stays cacheable.
+    Elsewhere it is registered as effectful, which AOTAutograd threads an effect token through
+    (``with_effects``); that is kept everywhere but bypasses Inductor's FX graph cache."""
+    if _inductor_asks_is_impure():
+        torch.fx.node.has_side_effect(op._opoverload)
+        return
     from torch._higher_order_ops import effects
 
     effects._register_effectful_op(op._opoverload, effects._EffectType.ORDERED)
+
+
+def _inductor_asks_is_impure() -> bool:
+    import inspect
+
+    from torch._inductor import ir
+
+    try:
+        return "is_impure" in inspect.getsource(ir.FallbackKernel.has_side_effects)
+    except (OSError, TypeError, AttributeError):
+        return False

@@ -13,9 +13,8 @@ import fxpass
 
 
 def normalize_code(code: str) -> str:
-    """Graph code without file comments, with shape symbols renamed s0, s1, ... in order of appearance and
-    object addresses (in WTA-CRS estimate keys) as ``@<id>``."""
-    code = re.sub(r"@[0-9a-f]{6,}\b", "@<id>", normalize_gm(code))
+    """Graph code without file comments, with shape symbols renamed s0, s1, ... in order of appearance."""
+    code = normalize_gm(code)
     names: dict[str, str] = {}
 
     def rename(found: re.Match) -> str:

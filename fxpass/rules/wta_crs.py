@@ -54,13 +54,12 @@ HOW_TO_ENABLE = (
 
 
 def _weight_key(weight: fx.Node) -> str:
-    """A name for a weight that differs between graphs: blocks compiled one by one lift weights under the same
-    graph names (``L['self'].mlp.c_proj.weight``), so a lifted weight is told apart by the tensor it stands for."""
-    if weight.op != "placeholder":
-        return weight.name
-    grapharg = weight.meta.get("grapharg")
-    example = getattr(grapharg, "example", None) if grapharg is not None else None
-    return str(weight.target) if example is None else f"{weight.target}@{id(example):x}"
+    """A weight's graph name, stable from run to run: the group's estimate is written by this name from the
+    compiled backward, and a name with an object's address in it would change the graph's code and so miss
+    AOTAutograd's cache on every start. Blocks compiled one by one lift their weights under the same names
+    (``L['self'].mlp.c_proj.weight``) and so share one estimate, as blocks that share one graph do; it steers
+    sampling only."""
+    return weight.name if weight.op != "placeholder" else str(weight.target)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ sequence length: token i sits at position i mod period, and 0 takes x.shape[-2] 
 dimensions. ``estimate`` is the group's running gradient-norm estimate and ``key`` its name (``state.py``):
 the backward folds this step's gradient norms into it through ``memopt::wta_crs_store``.
 
-The store is an effectful op that writes the estimate by name, hiding the write from autograd. A graph
+The store is an op with a side effect that writes the estimate by name, hiding the write from autograd. A graph
 called several times before one backward (blocks that share one compiled graph, two forwards of one model
 before the backward) saves the same estimate once per call, and an in-place write that autograd saw would
 fail every later backward's saved-tensor version check. The estimate only steers sampling, so what the
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings._library import HAS_TRITON, NAMESPACE, device_op, interpreting, on_cuda, reference_op, register_effectful
+from lowerings._library import HAS_TRITON, NAMESPACE, device_op, interpreting, keep_side_effect, on_cuda, reference_op
 from lowerings.wta_crs import reference, state
 
 if HAS_TRITON:
@@ -175,7 +175,8 @@ def wta_crs_store(values: torch.Tensor, key: str) -> None:
 
     The update itself is plain PyTorch in the backward formula, which Inductor fuses with the gradient-norm
     kernels; only the write is opaque. It names its target instead of taking it as an argument, so nothing
-    in the graph is mutated, and it is registered as effectful so that no pass drops it for having no output."""
+    in the graph is mutated, and it is marked as having a side effect so that no pass drops it for having no
+    output (``keep_side_effect``)."""
     target = state.estimate(key, values.device).values
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
         target.copy_(values)
@@ -186,4 +187,4 @@ def _(values, key):
     return None
 
 
-register_effectful(wta_crs_store)
+keep_side_effect(wta_crs_store)

@@ -65,13 +65,20 @@ def _lora_model(name: str) -> torch.nn.Module:
 
 
 class _MemoptCalls(TorchDispatchMode):
-    """Records the memopt ops run (with their arguments by name), to see what the backward computes."""
+    """Records the memopt ops run (with their arguments by name), to see what the backward computes.
+
+    Higher-order ops pass through: where Inductor does not ask ``is_impure`` (``lowerings._library``),
+    ``memopt::wta_crs_store`` runs inside ``with_effects`` under aot_eager."""
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()
         self.calls: list[tuple[str, dict]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         if func.namespace == "memopt":
             names = [a.name for a in func._schema.arguments]
             self.calls.append((func.__name__, {**dict(zip(names, args, strict=False)), **(kwargs or {})}))

@@ -46,12 +46,10 @@ def test_compiled_backward_updates_the_estimate_in_place():
     backend = fxpass.MemoptBackend(options=ON | {"force": True})
     step = torch.compile(lambda x: block(x).square().sum(), backend=backend)
     x = torch.randn(2, 12, 16, requires_grad=True)
-    earlier = set(state._ESTIMATES)  # other tests' graphs keep their (zeroed) buffers under their own keys
     step(x).backward()
-    estimates = [
-        found.values for (key, device), found in state._ESTIMATES.items()
-        if key.startswith("wta_crs:") and (key, device) not in earlier
-    ]
+    # every estimate was zeroed above; this graph's groups are the ones the backward wrote
+    estimates = [found.values for (key, _), found in state._ESTIMATES.items() if key.startswith("wta_crs:")]
+    estimates = [values for values in estimates if values.any()]
     assert estimates and all(values[:12].gt(0).all() and not values[12:].any() for values in estimates)
     first = [values.clone() for values in estimates]
     step(x).backward()
