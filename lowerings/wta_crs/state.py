@@ -1,8 +1,9 @@
 """Per-group running gradient-norm estimates: process state that the compiled graphs read and update.
 
 The estimate steers sampling probabilities only (never the expected gradient), so it lives like an
-optimizer's step counter: the backward updates it in place and the next step's forward reads it. Keys name a
-group of linears (their weights' graph names), so recompiles of the same model share one estimate.
+optimizer's step counter: the backward writes it (``memopt::wta_crs_store``, by key) and the next step's
+forward reads it. Keys name a group of linears by their weights' graph names, so recompiles of the same model
+share one estimate, and so do blocks compiled one by one, which lift their weights under the same names.
 
 Under CUDA graphs (``mode="reduce-overhead"``) the captured kernels read and write the estimate at a fixed
 address, and a tensor first allocated during the warm-up run would land in the graphs' private memory pool.
