@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings._library import HAS_TRITON, NAMESPACE, device_op, interpreting, keep_side_effect, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, device_op, interpreting, keep_side_effect, on_cuda, reference_op
 from lowerings.wta_crs import reference, state
 
 if HAS_TRITON:
@@ -169,7 +169,7 @@ def _backward(ctx, output_grads):
 wta_crs_linears.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::wta_crs_store", mutates_args=())
+@reference_op("wta_crs_store")
 def wta_crs_store(values: torch.Tensor, key: str) -> None:
     """Write this step's estimate into the group's state (``state.py``), one copy, hidden from autograd.
 

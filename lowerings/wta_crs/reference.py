@@ -59,10 +59,6 @@ class GradNormEstimate:
         estimate = torch.where(estimate > 0, estimate, mean)
         return estimate.clamp_min(GRAD_FLOOR * mean)
 
-    def update(self, grad_norms: torch.Tensor, period) -> None:
-        """Fold this step's per-row gradient norms into the per-position averages, in place."""
-        self.values.copy_(self.updated(grad_norms, period))
-
     def updated(self, grad_norms: torch.Tensor, period) -> torch.Tensor:
         """The values after folding in this step's per-row gradient norms (rows of [..., period] tokens).
 

@@ -199,7 +199,7 @@ def test_gradient_norm_estimate_tracks_positions():
     estimate = reference.GradNormEstimate.empty(torch.device("cpu"))
     positions = reference.positions_of(40, 10, torch.device("cpu"))
     norms = (positions == 3).float() * 9 + 1
-    estimate.update(norms, 10)
+    estimate = reference.GradNormEstimate(estimate.updated(norms, 10))
     looked_up = estimate.lookup(torch.tensor([3, 4, 11]))
     torch.testing.assert_close(looked_up, torch.tensor([10.0, 1.0, 1.9]))
     fresh = reference.GradNormEstimate.empty(torch.device("cpu")).lookup(torch.tensor([0, 5]))
@@ -258,7 +258,7 @@ def test_positions_past_the_last_slot_share_it():
     period = reference.MAX_POSITIONS + 2
     norms = torch.arange(2 * period, dtype=torch.float32) % period  # two sequences; norm = position
     estimate = reference.GradNormEstimate.empty(torch.device("cpu"))
-    estimate.update(norms, period)
+    estimate = reference.GradNormEstimate(estimate.updated(norms, period))
     last = reference.MAX_POSITIONS - 1
     assert estimate.values[5] == 5
     torch.testing.assert_close(estimate.values[last], torch.tensor(float(last + 1)))  # mean of last, last+1, last+2
