@@ -13,22 +13,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import logging
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import error_note
 from benchmarks.e2e import build_model, compiled_step, make_batch, training_step
 
 log = logging.getLogger("profile_step")
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
-    """"memopt:{...}" → ("memopt", {...}); a bare backend name has no options."""
+    """ "memopt:{...}" → ("memopt", {...}); a bare backend name has no options."""
     backend, _, options = text.partition(":")
     return backend, json.loads(options) if options else {}
 
@@ -55,7 +58,62 @@ def profile_variant(args: argparse.Namespace, variant: str, device: torch.device
     wall_ms = (time.perf_counter() - begin) / args.steps * 1e3
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=70)
-    return f"## {variant}: {wall_ms:.1f} ms a step (wall, profiled)\n{table}"
+    text = f"## {variant}: {wall_ms:.1f} ms a step (wall, profiled)\n{table}"
+    if args.memory and device.type == "cuda":
+        try:
+            text += "\n" + memory_at_peak(one_step, args.top)
+        except Exception as error:  # the history's format is private to torch: report, keep the timings
+            text += f"\nmemory history failed: {error_note(error)}"
+    return text
+
+
+def memory_at_peak(one_step, top: int) -> str:
+    """What is allocated at one step's peak, by the line that allocated it: the CUDA allocator's history replayed
+    up to the step's highest point. Blocks from before the step (weights, gradients) are left out, so the table
+    adds up to the step's own peak, as ``benchmarks/e2e.py`` reports it."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    try:
+        one_step()
+        torch.cuda.synchronize()
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, peak_live, total, peak, peak_at = {}, {}, 0, 0, 0
+    for index, event in enumerate(events):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > peak:
+            peak, peak_at, peak_live = total, index, dict(live)
+    by_line: Counter = Counter()
+    count: Counter = Counter()
+    for event in peak_live.values():
+        label = allocation_site(event.get("frames", []))
+        by_line[label] += event["size"]
+        count[label] += 1
+    rows = [
+        f"### live at the peak: {peak / 2**20:.0f} MiB, event {peak_at} of {len(events)}",
+        "| MiB | blocks | allocated by |",
+        "|---|---|---|",
+    ]
+    rows += [f"| {size / 2**20:.0f} | {count[label]} | {label} |" for label, size in by_line.most_common(top)]
+    return "\n".join(rows)
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """The innermost frame outside torch's own package (a compiled graph's line, a memopt op, the model), with its
+    source line: which buffer of which graph holds the memory."""
+    torch_dir = str(Path(torch.__file__).parent)
+    for frame in frames:
+        filename = frame.get("filename", "")
+        if filename.startswith(torch_dir) or filename.startswith("<"):
+            continue
+        source = linecache.getline(filename, frame.get("line", 0)).strip()[:90]
+        return f"{Path(filename).name}:{frame.get('line')} {frame.get('name')}: `{source}`"
+    return "(torch internals)"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -72,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--memory", action="store_true", help="also list what is allocated at a step's peak")
     parser.add_argument("--tiny", action="store_true", help="small models: check the script")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
