@@ -15,6 +15,7 @@ import argparse
 import json
 import linecache
 import logging
+import re
 import sys
 import time
 from collections import Counter
@@ -111,8 +112,11 @@ def allocation_site(frames: list[dict]) -> str:
         filename = frame.get("filename", "")
         if filename.startswith(torch_dir) or filename.startswith("<"):
             continue
-        source = linecache.getline(filename, frame.get("line", 0)).strip()[:90]
-        return f"{Path(filename).name}:{frame.get('line')} {frame.get('name')}: `{source}`"
+        source = linecache.getline(filename, frame.get("line", 0)).strip()
+        buffer = re.search(r"empty_strided_\w+\((\([^)]*\)), \([^)]*\), (torch\.\w+)", source)
+        if buffer:  # a compiled graph's buffer: one row per shape, however many layers allocate it
+            return f"compiled graph buffer {buffer.group(1)} {buffer.group(2)}"
+        return f"{Path(filename).name}:{frame.get('line')} {frame.get('name')}: `{source[:90]}`"
     return "(torch internals)"
 
 

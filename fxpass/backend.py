@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxpass import checkpoint
+from fxpass import checkpoint, returned_logits
 from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
 from fxpass.config import Config, ConfigError
 from fxpass.report import GraphReport, error_note, publish, tracing_enabled
@@ -92,10 +92,13 @@ class MemoptBackend:
         keep_code = self.keep_code or bool(self.config.debug_dir) or tracing_enabled()
         original = copy_graph(gm.graph)
         bodies = {region.name: copy_graph(region.body.graph) for region in checkpoint.regions(gm)}
+        gm.meta[returned_logits.WRAPPED_KEY] = True  # this backend re-attaches returned logits (returned_logits.py)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
         superseded = False
         try:
-            return self._compile_or_fall_back(gm, original, report, example_inputs, bodies)
+            compiled = self._compile_or_fall_back(gm, original, report, example_inputs, bodies)
+            extra = returned_logits.output_count(gm.graph) - returned_logits.output_count(original)
+            return returned_logits.attach(compiled, returned_logits.returned_logits(gm.graph), extra)
         except dynamo_control_flow() as signal:
             # Dynamo traces the frame again (or runs it eagerly): this graph is never run, and the next attempt
             # gets its own report, so this one is not published (counters would count its rewrites twice).

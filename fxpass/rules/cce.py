@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fxpass import shapes
+from fxpass import returned_logits, shapes
 from fxpass.config import Config, assumed_device
 from fxpass.graph import (
     ADDMM_TARGETS,
@@ -86,6 +86,9 @@ class CceMatch:
     log_sum_exps: tuple[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]], ...] = ()
     # the classifier's output is also used outside the loss (returned, say): memopt.cce_with_logits serves both
     returns_logits: bool = False
+    # where the graph returns the classifier's own output, when nothing else outside the loss reads it and the
+    # backend re-attaches returned logits (fxpass/returned_logits.py): the row-wise op may then serve the loss
+    returned_positions: tuple[int, ...] = ()
 
     @property
     def anchor(self) -> fx.Node:
@@ -192,8 +195,19 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
     if escape is None:
         return candidate
     if escape is RETURNED:
-        return dataclasses.replace(candidate, returns_logits=True)
+        return dataclasses.replace(candidate, returns_logits=True, returned_positions=_returned_only(candidate, facts))
     return dataclasses.replace(candidate, blocker=escape)
+
+
+def _returned_only(candidate: CceMatch, facts: GraphFacts) -> tuple[int, ...]:
+    """The output positions of the classifier's output, if the graph only returns it (outside the loss) and the
+    backend wraps this graph's outputs; otherwise ()."""
+    if not facts.gm.meta.get(returned_logits.WRAPPED_KEY):
+        return ()
+    outside = {user for _, user in facts.outside_users([candidate.classifier], inside=candidate.nodes)}
+    if outside != {facts.output}:
+        return ()
+    return returned_logits.output_positions(facts.gm.graph, candidate.classifier) or ()
 
 
 def _unsupported_arguments(loss: LossCall) -> str | None:
@@ -481,14 +495,19 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
     if candidate.blocker:
         return Decision(False, candidate.blocker)
     variant, why = choose_variant(candidate, config)
-    if candidate.returns_logits:
+    if candidate.returns_logits and variant == "rowwise":
+        what = (
+            "logits computed once and returned, gradients taken from them in the forward (6·N·D·V FLOPs); "
+            "their own gradient is added outside the graph only if the caller uses them"
+        )
+    elif candidate.returns_logits:
         what = "logits computed once and returned, never saved for backward"
     elif variant == "rowwise":
         what = "logits never materialized; gradients taken in the forward (6·N·D·V FLOPs)"
     else:
         what = "logits never materialized"
     decision = decide_on_saving(memory_model(candidate, config.assume_device, variant), config, what)
-    params = {"variant": "with_logits" if candidate.returns_logits else variant}
+    params = {"variant": "with_logits" if candidate.returns_logits and variant == "chunked" else variant}
     if why:
         params["variant_reason"] = why
     return dataclasses.replace(decision, params=params)
@@ -507,7 +526,7 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     and still frees at least 3/4 of what the chunked one frees: a quarter of the FLOPs for at most a quarter of
     the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Returns an empty reason where there was
     nothing to weigh."""
-    if config.cce_variant == "chunked" or candidate.returns_logits:
+    if config.cce_variant == "chunked":
         return "chunked", ""
     blocker = _rowwise_blocker(candidate, config)
     if blocker is not None:
@@ -517,6 +536,8 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     device = config.memory_device(tensor_value(candidate.hidden).device)
     if device.type != "cuda":
         return "chunked", ROWWISE_SLOWER_OFF_CUDA
+    if candidate.returns_logits:  # the logits exist anyway: no saving to weigh against a quarter of the FLOPs
+        return "rowwise", "the returned logits serve the row-wise op's chunks: 6·N·D·V FLOPs, no zero N×V gradient"
     chunked = memory_model(candidate, config.assume_device, "chunked").saved
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays  # for every shape if provable, else at the hints
@@ -526,6 +547,13 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
 
 
 def _rowwise_blocker(candidate: CceMatch, config: Config) -> str | None:
+    if candidate.returns_logits and not candidate.returned_positions:
+        return (
+            "the logits are read inside the graph (or the graph is not one the backend wraps), so their gradient "
+            "must reach the fused op: memopt.cce_with_logits serves them"
+        )
+    if candidate.returns_logits and not any(_needs(candidate)):
+        return "nothing wants a gradient (no backward): memopt.cce_with_logits takes the loss alone"
     if candidate.loss.reduction not in ("mean", "sum"):
         return f"reduction {candidate.loss.reduction!r} is not a scalar"
     if candidate.log_sum_exps:
@@ -578,9 +606,18 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     else:
         after = working_set(rows, vocab, dim, dtype, device)
     if candidate.returns_logits:
-        for terms in (before, after):
-            terms["returned: the logits [N, V], alive while the caller keeps them"] = returned
-            terms["transient (backward): the returned logits' gradient (zeros when unused)"] = returned
+        before["returned: the logits [N, V], alive while the caller keeps them"] = returned
+        before["transient (backward): the returned logits' gradient (zeros when unused)"] = returned
+    if candidate.returns_logits and variant == "rowwise":  # gradients taken from the logits it returns
+        padded = rows * rowwise.padded_vocab(vocab) * dtype.itemsize
+        after["returned: the logits [N, V] (rows padded to 64), alive while the caller keeps them"] = padded
+        # the operands handed back to the wrapper get autograd's zeros when the logits go unused
+        after["transient (backward): zero gradients of the hidden states returned for the logits' own"] = (
+            rows * dim * dtype.itemsize
+        )
+    elif candidate.returns_logits:
+        after["returned: the logits [N, V], alive while the caller keeps them"] = returned
+        after["transient (backward): the returned logits' gradient (zeros when unused)"] = returned
     return shapes.MemoryModel(before, after)
 
 
@@ -626,9 +663,12 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             hidden, weight, bias, loss.targets, loss.ignore_index, loss.reduction, float(loss.label_smoothing),
             candidate.softcap,
         )
-        if candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
+        rowwise = choose_variant(candidate, config)[0] == "rowwise"
+        if candidate.returns_logits and rowwise:  # the op returns the logits too (their gradient: the wrapper)
+            fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), True)
+        elif candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
             fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments)
-        elif choose_variant(candidate, config)[0] == "rowwise":
+        elif rowwise:
             fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate))
         else:
             filter_eps = [eps] if (eps := config.cce_filter_for(dtype)) else []
@@ -636,7 +676,8 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
         result = _cast_like(add, add("call_function", operator.getitem, fused, 0), loss_node)
         replacements = [(loss_node, result)]
         if candidate.returns_logits:
-            replacements.append((candidate.classifier, _returned_logits(add, fused, candidate.hidden)))
+            index = 4 if rowwise else 2
+            replacements.append((candidate.classifier, _returned_logits(add, fused, candidate.hidden, index)))
         for lse_node, source, _ in candidate.log_sum_exps:
             rows = add("call_function", operator.getitem, fused, 1)
             size = add("call_method", "size", hidden_at[source])
@@ -647,11 +688,36 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
     transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
     erase_unused([*candidate.nodes, *transposes])
+    if candidate.returns_logits and rowwise:
+        _return_operands(graph, candidate, hidden, weight, bias)
 
 
-def _returned_logits(add, fused: fx.Node, hidden: fx.Node) -> fx.Node:
-    """The op's [N, V] logits shaped as the classifier returned them: the hidden states' leading dims, then V."""
-    logits = add("call_function", operator.getitem, fused, 2)
+def _return_operands(graph: fx.Graph, candidate: CceMatch, hidden: fx.Node, weight: fx.Node, bias) -> None:
+    """Name the classifier's operands as the op saw them for the wrapper that re-attaches the returned logits'
+    gradient (``fxpass/returned_logits.py``): a graph input (cast and transposed again by the wrapper) where
+    the operand is one, else an extra graph output."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    dtype = tensor_value(candidate.classifier).dtype
+
+    def operand(source: fx.Node, as_seen: fx.Node, transposed: bool) -> returned_logits.Operand:
+        if source.op == "placeholder":
+            cast = dtype if tensor_value(source).dtype != dtype else None
+            return returned_logits.Operand("input", placeholders.index(source), cast, transposed)
+        return returned_logits.Operand("output", returned_logits.add_output(graph, as_seen))
+
+    entry = returned_logits.ReturnedLogits(
+        positions=candidate.returned_positions,
+        hidden=returned_logits.Operand("output", returned_logits.add_output(graph, hidden)),
+        weight=operand(candidate.weight, weight, candidate.weight_is_transposed),
+        bias=operand(candidate.bias, bias, False) if candidate.bias is not None else None,
+    )
+    returned_logits.record(graph, entry)
+
+
+def _returned_logits(add, fused: fx.Node, hidden: fx.Node, index: int) -> fx.Node:
+    """The op's [N, V] logits (output ``index``) shaped as the classifier returned them: the hidden states'
+    leading dims, then V."""
+    logits = add("call_function", operator.getitem, fused, index)
     sizes = tensor_value(hidden).shape[:-1]
     if len(sizes) == 1:
         return logits

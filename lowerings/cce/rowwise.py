@@ -1,8 +1,8 @@
 """``torch.ops.memopt.cce_rowwise``: cut cross-entropy at 6·N·D·V FLOPs, gradients taken during the forward.
 
-    loss, grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_rowwise(
+    loss, grad_hidden, grad_weight, grad_bias, logits = torch.ops.memopt.cce_rowwise(
         hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap,
-        need_hidden, need_weight, need_bias)
+        need_hidden, need_weight, need_bias, return_logits)
 
 For a scalar loss (``reduction`` "mean" or "sum") the gradient of the loss is known up to the one upstream
 scalar as soon as the logits are: the forward walks the rows in chunks, forms a chunk's logits with one GEMM,
@@ -17,6 +17,13 @@ Both devices run the op's chunk loop in an opaque op (it must not be traced: it 
 rows). On CUDA a Triton kernel (``rowwise_kernel.py``) takes a chunk's loss terms and gradient in two reads and
 one write of its logits, where the PyTorch path (CPU, and a bias that wants its gradient) makes about eight
 fp32 passes. Gradients the graph does not need are not computed (``need_*`` come from the rule).
+
+``return_logits``: a whole model compiled as it is returns its logits beside the loss. The op then forms all the
+logits with one GEMM (rows padded to 64 columns, as Inductor pads them) and returns them, and each chunk's
+gradient is read from them into a chunk-sized buffer: still 6·N·D·V FLOPs, and no logits-sized tensor is saved
+for the backward. The returned logits are not differentiable here. Their own gradient, when a caller uses them,
+is added by ``fxpass.returned_logits`` outside the compiled graph, so that logits the caller drops cost no
+backward work and no zero-filled N×V gradient.
 """
 
 from __future__ import annotations
@@ -176,7 +183,8 @@ def cce_rowwise(
     need_hidden: bool,
     need_weight: bool,
     need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
     torch._check(reduction in SCALAR_REDUCTIONS, lambda: "memopt.cce_rowwise: the loss must be a scalar (mean or sum)")
     targets = targets.long()
@@ -200,14 +208,27 @@ def cce_rowwise(
     total = torch.zeros((), dtype=acc, device=hidden.device)
     fused = _kernel_serves(hidden.device.type, hidden.dtype, bias_grad=bool(grad_bias.numel()))
     step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused))
+    all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
+    chunk_buffer = None
+    if all_logits is not None and n_rows:  # one chunk's gradient at a time; its padding columns stay zero
+        chunk_buffer = hidden.new_empty(min(step, n_rows), width)
+        chunk_buffer[:, vocab:].zero_()
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
-        padded = _chunk_logits(hidden[rows], weight_rows, bias_rows)  # [rows, width]: zero past the vocabulary
-        logits = padded[:, :vocab]
-        if fused:  # loss terms and the scaled gradient in one kernel, over the logits in place
-            total += row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale).sum()
+        if all_logits is None:
+            padded = _chunk_logits(hidden[rows], weight_rows, bias_rows)  # [rows, width]: zero past the vocabulary
+            source = None
         else:
-            chunk_loss, grad = _chunk_gradient(logits, targets[rows], ignore_index, label_smoothing, softcap)
+            padded = chunk_buffer[: rows.stop - rows.start]
+            source = all_logits[rows, :vocab]
+        logits = padded[:, :vocab]
+        if fused:  # loss terms and the scaled gradient in one kernel (in place unless the logits are returned)
+            terms = row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale, source)
+            total += terms.sum()
+        else:
+            chunk_loss, grad = _chunk_gradient(
+                logits if source is None else source, targets[rows], ignore_index, label_smoothing, softcap
+            )
             total += chunk_loss
             logits.copy_(grad.mul_(grad_scale))  # GEMM operands in the input dtype, padding columns still zero
         if need_hidden:
@@ -219,24 +240,28 @@ def cce_rowwise(
         # drop this chunk's buffers before the next chunk's GEMM allocates, or two chunks are alive at once
         padded = logits = grad = None
     grad_weight = grad_weight_rows[:vocab] if need_weight else grad_weight_rows
-    return total * scale, grad_hidden, grad_weight, grad_bias
+    returned = all_logits[:, :vocab] if all_logits is not None else hidden.new_empty(0)
+    return total * scale, grad_hidden, grad_weight, grad_bias, returned
 
 
 @cce_rowwise.register_fake
 def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden, need_weight,
-      need_bias):
+      need_bias, return_logits=False):
     acc = reference.compute_dtype(hidden.dtype)
+    rows, vocab = hidden.shape[0], weight.shape[0]
     return (
         hidden.new_empty((), dtype=acc),
         hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
         weight.new_empty(weight.shape, dtype=acc) if need_weight else weight.new_empty(0),
         weight.new_empty(weight.shape[0], dtype=acc) if need_bias and bias is not None else weight.new_empty(0),
+        # the padded rows' view, strides and all: Inductor checks a custom op's output strides against these
+        hidden.new_empty_strided((rows, vocab), (padded_vocab(vocab), 1)) if return_logits else hidden.new_empty(0),
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, bias = inputs[:3]
-    ctx.save_for_backward(*output[1:])
+    ctx.save_for_backward(*output[1:4])
     ctx.mark_non_differentiable(*output[1:])
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.needs = inputs[8:11]
@@ -258,7 +283,7 @@ def _backward(ctx, grad_loss, *_):
         if needed and not taken:  # a gradient silently left out would be a wrong answer
             raise RuntimeError(f"memopt.cce_rowwise: {name} needs a gradient but was told need_{name}=False")
         grads.append(_scaled(saved, grad_loss, dtype) if needed and dtype is not None else None)
-    return (*grads, None, None, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 cce_rowwise.register_autograd(_backward, setup_context=_setup_context)

@@ -31,15 +31,17 @@ def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _row_gradient_kernel(
-    Z, targets, losses, scale_ptr,
-    vocab, stride_zn, ignore_index,
+    SRC, Z, targets, losses, scale_ptr,
+    vocab, stride_src, stride_zn, ignore_index,
     smoothing_keep, smoothing_spread, smoothing, softcap,
     HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Row ``program_id``: its loss term into ``losses`` and its scaled gradient over its logits in ``Z``."""
+    """Row ``program_id``: its loss term into ``losses`` and the scaled gradient of its logits (read from ``SRC``)
+    into ``Z``, which may be ``SRC`` itself."""
     smoothing_keep, smoothing_spread = as_fp32(smoothing_keep), as_fp32(smoothing_spread)
     smoothing, softcap = as_fp32(smoothing), as_fp32(softcap)
     row = tl.program_id(0).to(tl.int64)
+    source = SRC + row * stride_src
     base = Z + row * stride_zn
     target = tl.load(targets + row).to(tl.int64)
     valid = target != ignore_index
@@ -51,7 +53,7 @@ def _row_gradient_kernel(
     for start in range(0, vocab, BLOCK_V):
         here = start + cols
         inside = here < vocab
-        z, _ = _capped(tl.load(base + here, mask=inside, other=0.0), softcap, HAS_SOFTCAP)
+        z, _ = _capped(tl.load(source + here, mask=inside, other=0.0), softcap, HAS_SOFTCAP)
         z = tl.where(inside, z, float("-inf"))  # past the vocabulary (a softcap would map -inf to -c)
         new_max = tl.maximum(running_max, z)
         # lanes that have seen only -inf (past the vocabulary) keep a zero sum: exp(-inf - -inf) would be NaN
@@ -72,7 +74,7 @@ def _row_gradient_kernel(
     for start in range(0, vocab, BLOCK_V):
         here = start + cols
         inside = here < vocab
-        z, t = _capped(tl.load(base + here, mask=inside, other=0.0), softcap, HAS_SOFTCAP)
+        z, t = _capped(tl.load(source + here, mask=inside, other=0.0), softcap, HAS_SOFTCAP)
         grad = tl.exp(z - lse) - smoothing_spread - tl.where(here == target, smoothing_keep, 0.0)
         if HAS_SOFTCAP:
             grad = grad * (1.0 - t * t)
@@ -86,18 +88,21 @@ def row_gradient_(
     label_smoothing: float,
     softcap: float | None,
     scale: torch.Tensor,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Overwrite ``logits`` [rows, V] (contiguous rows) with ``scale · ∂loss/∂logits`` and return the rows' loss
     terms [rows] in fp32 (0 on ignored rows). ``scale`` is a one-element tensor on the logits' device: the mean's
-    1 / (valid rows) is known on the device only."""
+    1 / (valid rows) is known on the device only. With ``source`` (logits of the same shape, rows contiguous) the
+    logits are read from there and ``logits`` is only written: the returned-logits case, whose logits must stay."""
     rows, vocab = logits.shape
+    source = logits if source is None else source
     losses = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows == 0:
         return losses
     keep = 1.0 - label_smoothing
     _row_gradient_kernel[(rows,)](
-        logits, targets, losses, scale,
-        vocab, logits.stride(0), ignore_index,
+        source, logits, targets, losses, scale,
+        vocab, source.stride(0), logits.stride(0), ignore_index,
         keep, label_smoothing / vocab, label_smoothing, softcap if softcap is not None else 1.0,
         HAS_SOFTCAP=softcap is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)),
     )

@@ -8,7 +8,7 @@ from torch._inductor.utils import run_fw_bw_and_get_code
 
 import fxpass
 from tests.helpers import assert_close_scaled
-from tests.models.test_hf_models import _batch, _gpt2, _grads, _llama, _parameters
+from tests.models.test_hf_models import _batch, _check_whole_model, _gpt2, _grads, _llama, _parameters
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -33,3 +33,15 @@ def test_model_on_cuda_emits_cce_kernel(build):
     # gradients in another reduction order: rounding scales with each tensor's magnitude, not a fixed atol
     for name, actual, wanted in zip(names, _grads(compiled(ids, labels), params), expected_grads, strict=True):
         assert_close_scaled(actual, wanted, rel=1e-3, name=name)
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
+def test_whole_model_on_cuda_takes_the_rowwise_op(build, use_logits):
+    """``torch.compile(model, backend="memopt")`` on CUDA: the row-wise op returns the logits (its chunk kernel
+    reading them, Inductor checking the padded rows' strides), and loss, logits and every gradient equal eager's
+    (fp32), with the logits dropped or used by a second loss outside the graph."""
+    model = build().cuda()
+    ids, labels = (t.cuda() for t in _batch(masked_lm=False))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _check_whole_model(model, ids, labels, use_logits, options={"force": True}, rtol=1e-4, atol=1e-5)

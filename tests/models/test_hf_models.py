@@ -162,6 +162,10 @@ def _check_whole_model(model, ids, labels, use_logits: bool, options=FAST, **tol
     applied = _cce_records(applied=True)
     assert len(applied) == 1, [r.reason for g in _final_reports() for r in g.records]
     assert applied[0].params["returns_logits"] is True
+    variant = options.get("cce_variant", "auto")
+    rowwise = variant == "rowwise" or (variant == "auto" and ids.is_cuda)  # "auto": the row-wise op on CUDA
+    wanted = "rowwise" if rowwise else "with_logits"
+    assert applied[0].params["variant"] == wanted, applied[0].params
     torch.testing.assert_close(actual.loss, expected.loss, **tol)
     torch.testing.assert_close(actual.logits, expected.logits, **tol)
     for name, a, e in zip(names, actual_grads, expected_grads, strict=True):
@@ -170,12 +174,19 @@ def _check_whole_model(model, ids, labels, use_logits: bool, options=FAST, **tol
     return applied[0]
 
 
+ROWWISE = {**FAST, "cce_variant": "rowwise"}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
-def test_whole_model_compile_returns_exact_logits(name, use_logits):
+@pytest.mark.parametrize("options", [FAST, ROWWISE], ids=["with_logits", "rowwise"])
+def test_whole_model_compile_returns_exact_logits(name, use_logits, options):
+    """Both ways of serving a loss whose logits are returned: ``cce_with_logits`` (the CPU default), and the
+    row-wise op returning the logits with their own gradient re-attached outside the graph (the CUDA default;
+    ``fxpass/returned_logits.py``)."""
     model = MODELS[name]()
     ids, labels = _batch(masked_lm=name == "bert")
-    _check_whole_model(model, ids, labels, use_logits)
+    _check_whole_model(model, ids, labels, use_logits, options)
 
 
 def test_gpt2_as_built_compiles_whole():
@@ -201,14 +212,14 @@ def _saved_tensor_shapes(fn) -> list[tuple[int, ...]]:
     return shapes
 
 
-@pytest.mark.parametrize("memopt", [False, True], ids=["plain_compile", "memopt"])
+@pytest.mark.parametrize("memopt", [False, "auto", "rowwise"], ids=["plain_compile", "memopt", "memopt_rowwise"])
 def test_whole_model_saves_nothing_logits_sized(memopt):
     """Plain compile keeps [N, V] (log-probabilities) for backward; memopt keeps nothing with V columns but the
-    classifier itself, so logits dropped by the caller die at once."""
+    classifier itself (and, row-wise, its fp32 gradient), so logits dropped by the caller die at once."""
     model = _gpt2()
     ids, labels = _batch(masked_lm=False)
     compiled = torch.compile(model, backend="memopt" if memopt else "aot_eager", fullgraph=True,
-                             options=FAST if memopt else None)
+                             options={**FAST, "cce_variant": memopt} if memopt else None)
     shapes = _saved_tensor_shapes(lambda: compiled(input_ids=ids, labels=labels))
     logits_sized = [shape for shape in shapes if shape and shape[-1] == VOCAB and shape != (VOCAB, 32)]
     assert bool(logits_sized) is not memopt, shapes
@@ -228,7 +239,10 @@ def test_gpt2_through_inductor():
     _check_against_eager(model, step, ids, labels, options={"force": True})
 
 
-def test_gpt2_whole_model_through_inductor():
-    """The whole model under Inductor: the returned logits' gradient (zeros when dropped, a z-loss's here)
-    reaches the fused backward through AOTAutograd's tangents."""
-    _check_whole_model(_gpt2(n_layer=1), *_batch(masked_lm=False), use_logits=True, options={"force": True})
+@pytest.mark.parametrize("variant", ["auto", "rowwise"])
+def test_gpt2_whole_model_through_inductor(variant):
+    """The whole model under Inductor. ``cce_with_logits``: the returned logits' gradient (zeros when dropped, a
+    z-loss's here) reaches the fused backward through AOTAutograd's tangents. The row-wise op: the logits leave
+    the graph without a gradient input, and the wrapper adds their z-loss gradient outside it."""
+    options = {"force": True, "cce_variant": variant}
+    _check_whole_model(_gpt2(n_layer=1), *_batch(masked_lm=False), use_logits=True, options=options)

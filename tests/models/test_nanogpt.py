@@ -1,7 +1,7 @@
 """The nanoGPT-style example model under ``backend="memopt"``: tied head, ``ignore_index=-1``, (logits, loss).
 
 A step returning only the loss is rewritten and gives eager's loss and gradients; the model's own forward
-returns the logits too and gets ``cce_with_logits``; dynamic shapes compile once; and a few optimizer steps through Inductor follow
+returns the logits too and gets ``cce_with_logits`` or the row-wise op; dynamic shapes compile once; and a few optimizer steps through Inductor follow
 plain ``torch.compile`` step by step.
 """
 
@@ -79,9 +79,11 @@ def test_loss_step_is_rewritten_and_matches_eager():
 
 
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
-def test_model_forward_returning_logits_is_rewritten(use_logits):
-    """The model compiled whole returns ``(logits, loss)``: the logits come from ``cce_with_logits`` and equal
-    eager's, and so do the gradients, with the logits dropped or used by a second loss."""
+@pytest.mark.parametrize("variant", ["auto", "rowwise"])
+def test_model_forward_returning_logits_is_rewritten(use_logits, variant):
+    """The model compiled whole returns ``(logits, loss)``: the logits come from ``cce_with_logits`` (the CPU
+    default) or from the row-wise op (the CUDA default, the tied weight handed back for the logits' own gradient)
+    and equal eager's, and so do the gradients, with the logits dropped or used by a second loss."""
     model = _model()
     names, params = zip(*model.named_parameters(), strict=True)
     idx, targets = _batch()
@@ -92,10 +94,12 @@ def test_model_forward_returning_logits_is_rewritten(use_logits):
     expected_logits, expected_loss = model(idx, targets)
     expected_grads = torch.autograd.grad(total(expected_logits, expected_loss), params)
     fxpass.clear_reports()
-    logits, loss = torch.compile(model, backend="memopt", fullgraph=True, options=FAST)(idx, targets)
+    options = {**FAST, "cce_variant": variant}
+    logits, loss = torch.compile(model, backend="memopt", fullgraph=True, options=options)(idx, targets)
 
     applied = _applied()
     assert len(applied) == 1 and applied[0].params["returns_logits"] is True
+    assert applied[0].params["variant"] == ("rowwise" if variant == "rowwise" else "with_logits")
     torch.testing.assert_close(logits, expected_logits)
     torch.testing.assert_close(loss, expected_loss)
     _assert_grads_equal(torch.autograd.grad(total(logits, loss), params), expected_grads, names)

@@ -372,6 +372,50 @@ class GraphModule(torch.nn.Module):
         view_2: "f32[2, 3, 40]cpu" = getitem_1.view(2, 3, -1);  getitem_1 = None
         return (view_2, getitem)""")
 
+    def test_rowwise_returns_the_logits_and_hands_back_their_operands(self):
+        """``cce_variant='rowwise'`` (the CUDA default for returned logits): the op returns the logits, not
+        differentiable; the graph returns the hidden states it used as an extra output, and the wrapper casts
+        the weight and bias inputs as autocast did, so the logits' own gradient (a z-loss here) is exact."""
+        weight, bias = _params(bias=True)
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+
+        def fn(h, t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = F.linear(h, weight, bias)
+            return logits, F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+
+        targets = torch.randint(0, V, (2, 3))
+        ex = rewritten(fn, hidden, targets, cce_variant="rowwise")
+        self.assertEqual(ex.records[0].params["variant"], "rowwise")
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_bias_: "f32[40]cpu", L_t_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_bias_ = L_bias_
+        l_t_ = L_t_
+        _enter_autocast = torch.amp.autocast_mode._enter_autocast('cpu', torch.bfloat16, True, None)
+        _exit_autocast = torch.amp.autocast_mode._exit_autocast(_enter_autocast);  _enter_autocast = _exit_autocast = None
+        view_1: "i64[6]cpu" = l_t_.view(-1);  l_t_ = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        to: "bf16[6, 8]cpu" = reshape.to(torch.bfloat16);  reshape = None
+        to_1: "bf16[40, 8]cpu" = l_weight_.to(torch.bfloat16);  l_weight_ = None
+        to_2: "bf16[40]cpu" = l_bias_.to(torch.bfloat16);  l_bias_ = None
+        cce_rowwise_default = torch.ops.memopt.cce_rowwise.default(to, to_1, to_2, view_1, -100, 'mean', 0.0, None, True, True, True, True);  to_1 = to_2 = view_1 = None
+        getitem: "f32[]cpu" = cce_rowwise_default[0]
+        getitem_1: "bf16[6, 40]cpu" = cce_rowwise_default[4];  cce_rowwise_default = None
+        view_2: "bf16[2, 3, 40]cpu" = getitem_1.view(2, 3, -1);  getitem_1 = None
+        return (view_2, getitem, to)""")
+        logits, loss = ex.result
+        expected_logits, expected_loss = fn(hidden, targets)
+        torch.testing.assert_close(logits, expected_logits)
+        torch.testing.assert_close(loss, expected_loss, rtol=2e-2, atol=2e-2)
+        params = [hidden, weight, bias]
+        assert_close_all(grads(loss + _z_loss(logits), params), grads(expected_loss + _z_loss(expected_logits), params),
+                         rtol=2e-2, atol=2e-2)
+        _, loss = rewritten(fn, hidden, targets, cce_variant="rowwise").result  # logits dropped
+        assert_close_all(grads(loss, params), grads(fn(hidden, targets)[1], params), rtol=2e-2, atol=2e-2)
+
     def test_logits_used_elsewhere(self):
         """Another op of the graph reads the logits (an accuracy metric): it reads the op's logits."""
         weight, bias = _params(bias=True)

@@ -223,3 +223,39 @@ def test_temporaries_within_the_working_set(dtype):
     )
     assert 0 < forward <= transient, (forward, transient)
     assert forward > transient // 2  # the charge is what it holds, not a loose bound
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["pytorch_chunks", "chunk_kernel"])
+@pytest.mark.parametrize(("bias", "smoothing", "softcap"), [(False, 0.0, None), (True, 0.1, 4.0)])
+def test_returned_logits(monkeypatch, kernel, bias, smoothing, softcap):
+    """``return_logits``: the op also returns the classifier's logits (a view of rows padded to 64 columns, as
+    its fake says), not differentiable, and reads each chunk's gradient from them: loss, logits and gradients
+    equal float64 math over ragged chunks, whichever chunk path runs."""
+    from lowerings._library import HAS_TRITON
+
+    if kernel:
+        if not HAS_TRITON or bias:
+            pytest.skip("the chunk kernel needs Triton and serves no bias gradient")
+        monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype, bias_grad: not bias_grad)
+    monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
+    dtype = torch.float32 if kernel else torch.float64
+    leaves, targets = _inputs(dtype, bias)
+    h, w, *b = leaves
+    loss, *_, logits = torch.ops.memopt.cce_rowwise(
+        h, w, b[0] if b else None, targets, -100, "mean", smoothing, softcap, True, True, bias, True
+    )
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    expected = _eager(exact, targets, "mean", smoothing, softcap)
+    tol = FP64 if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-6}
+    assert logits.shape == (N, V) and logits.stride() == (rowwise.padded_vocab(V), 1)
+    assert not logits.requires_grad
+    torch.testing.assert_close(logits.double(), F.linear(*exact).detach(), **tol)
+    torch.testing.assert_close(loss.double(), expected, **tol)
+    for mine, wanted in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, exact), strict=True):
+        torch.testing.assert_close(mine.double(), wanted, **tol)
+
+
+def test_opcheck_with_returned_logits():
+    (h, w), targets = _inputs(torch.float32, bias=False)
+    args = (h, w, None, targets, -100, "mean", 0.0, None, True, True, False, True)
+    torch.library.opcheck(torch.ops.memopt.cce_rowwise.default, args)

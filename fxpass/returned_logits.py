@@ -1,0 +1,135 @@
+"""The gradient of logits a compiled graph returns beside its CCE loss, added outside the graph.
+
+A whole model compiled as it is (``torch.compile(model)``, HF Trainer) returns its logits with the loss, and
+most callers drop them. Inside the graph AOTAutograd would give such an output a gradient input, and autograd
+hands that input zeros when the logits go unused: an N×V zero fill, then two N×V GEMMs that add nothing. So
+the CCE rule (``fxpass/rules/cce.py``) returns the logits from ``memopt.cce_rowwise`` as a plain,
+non-differentiable output, and names the classifier's operands as seen by the op: the hidden states (an extra
+graph output) and the weight and bias (graph inputs, cast as autocast cast them, or extra outputs too).
+
+``attach`` wraps the compiled graph: each call re-attaches the returned logits to those operands through
+``LogitsGradient``. When the caller uses the logits (a distillation loss, a z-loss), autograd runs its
+backward, ``∂h = g·C``, ``∂C = gᵀ·h``, ``∂b = Σ g`` (the linear's own backward), and those gradients flow into
+the compiled graph's backward and the parameters as usual. When the caller drops the logits, the node is never
+reached, and the backward costs nothing beyond the loss's own gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+META_KEY = "memopt_returned_logits"
+# Set by the backend on the graph it compiles: only a graph whose outputs the backend wraps may return logits
+# this way (a checkpointed region's body, or a graph rewritten without the backend, keeps ``cce_with_logits``).
+WRAPPED_KEY = "memopt_wraps_outputs"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """Where the wrapper finds one classifier operand: graph input ``index`` (then cast to ``dtype`` and
+    transposed as the op saw it), or extra graph output ``index``."""
+
+    kind: str  # "input" | "output"
+    index: int
+    dtype: torch.dtype | None = None
+    transposed: bool = False
+
+    def value(self, inputs: Sequence[Any] | Mapping[int, Any], outputs: Sequence[Any]) -> torch.Tensor:
+        if self.kind == "output":
+            return outputs[self.index]
+        tensor = inputs[self.index]
+        if self.dtype is not None and tensor.dtype != self.dtype:
+            tensor = tensor.to(self.dtype)
+        return tensor.t() if self.transposed else tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ReturnedLogits:
+    """Graph outputs ``positions`` hold logits of the classifier ``hidden`` [N, D] · ``weight`` [V, D]ᵀ (+ ``bias``)."""
+
+    positions: tuple[int, ...]
+    hidden: Operand
+    weight: Operand
+    bias: Operand | None
+
+
+def returned_logits(graph: fx.Graph) -> list[ReturnedLogits]:
+    """What the CCE rule recorded on ``graph``'s output node (nothing if the graph was restored)."""
+    return list(graph.output_node().meta.get(META_KEY, ()))
+
+
+def record(graph: fx.Graph, entry: ReturnedLogits) -> None:
+    """Add ``entry`` to the output node's record as a new list: a copy of the graph taken before keeps its own."""
+    output = graph.output_node()
+    output.meta[META_KEY] = [*output.meta.get(META_KEY, ()), entry]
+
+
+def output_positions(graph: fx.Graph, node: fx.Node) -> tuple[int, ...] | None:
+    """Where ``node`` sits in the graph's flat output tuple; None if the outputs are not a flat tuple or hold it
+    some other way too (inside a nested structure)."""
+    values = graph.output_node().args[0]
+    if not isinstance(values, (tuple, list)):
+        return None
+    positions = tuple(index for index, value in enumerate(values) if value is node)
+    nested = [value for value in values if isinstance(value, (tuple, list, dict))]
+    return positions if positions and not nested else None
+
+
+def output_count(graph: fx.Graph) -> int:
+    values = graph.output_node().args[0]
+    return len(values) if isinstance(values, (tuple, list)) else 1
+
+
+def add_output(graph: fx.Graph, node: fx.Node) -> int:
+    """Append ``node`` to the graph's outputs; its position."""
+    output = graph.output_node()
+    values = tuple(output.args[0])
+    output.args = ((*values, node), *output.args[1:])
+    return len(values)
+
+
+class LogitsGradient(torch.autograd.Function):
+    """``logits`` as they are, made differentiable in ``hidden``, ``weight`` and ``bias`` as ``F.linear`` is."""
+
+    @staticmethod
+    def forward(ctx, logits, hidden, weight, bias):
+        ctx.save_for_backward(hidden, weight)
+        ctx.has_bias = bias is not None
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+        grad_hidden = (rows @ weight).view(hidden.shape) if ctx.needs_input_grad[1] else None
+        grad_weight = rows.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[2] else None
+        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, grad_hidden, grad_weight, grad_bias
+
+
+def attach(compiled: Callable, entries: Sequence[ReturnedLogits], extra_outputs: int) -> Callable:
+    """``compiled`` with the returned logits made differentiable again and the ``extra_outputs`` (the last ones,
+    the operands) dropped, so that Dynamo sees the outputs of the graph it captured."""
+    if not entries:
+        return compiled
+
+    def finish(inputs: Sequence[Any] | Mapping[int, Any], outputs: Sequence[Any]) -> list[Any]:
+        outputs = list(outputs)
+        if torch.is_grad_enabled():
+            for entry in entries:
+                hidden = entry.hidden.value(inputs, outputs)
+                weight = entry.weight.value(inputs, outputs)
+                bias = entry.bias.value(inputs, outputs) if entry.bias is not None else None
+                for position in entry.positions:
+                    outputs[position] = LogitsGradient.apply(outputs[position], hidden, weight, bias)
+        return outputs[: len(outputs) - extra_outputs]
+
+    def run(*args: Any) -> list[Any]:  # Dynamo calls a backend's result with the graph's inputs, unboxed
+        return finish(args, compiled(*args))
+
+    return run
