@@ -14,6 +14,11 @@ The backward is ``memopt.cce_backward``: it recomputes logit chunks rounded as t
 to each chunk before the two GEMMs. When the logits were not used, autograd hands it zeros (it materializes a
 gradient for every differentiable output); the sum is then exact and costs one read, never a GEMM.
 
+Where the graph only returns the logits and the backend wraps it, CUDA takes ``memopt.cce_rowwise`` with
+``return_logits`` instead (6·N·D·V, no zero tangent; ``fxpass/returned_logits.py``). This op serves the rest:
+CPU, logits that another op of the graph reads, ``reduction="none"``, z-loss terms and graphs run without a
+backward.
+
 CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
 logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
 of the reference's size, in place, so ``working_set`` charges both ops alike.

@@ -416,6 +416,52 @@ class GraphModule(torch.nn.Module):
         _, loss = rewritten(fn, hidden, targets, cce_variant="rowwise").result  # logits dropped
         assert_close_all(grads(loss, params), grads(fn(hidden, targets)[1], params), rtol=2e-2, atol=2e-2)
 
+    def test_rowwise_with_a_weight_computed_in_the_graph(self):
+        """A classifier weight the graph computes (a merged low-rank update) is handed back as an extra output,
+        and the logits returned twice get their gradient at both places."""
+        weight, _ = _params()
+        down = torch.randn(V, 2, requires_grad=True)
+        up = torch.randn(2, D, requires_grad=True)
+        hidden = torch.randn(6, D, requires_grad=True)
+
+        def fn(h, t):
+            logits = F.linear(h, weight + down @ up)
+            return logits, F.cross_entropy(logits, t), logits
+
+        targets = torch.randint(0, V, (6,))
+        params = [hidden, weight, down, up]
+        ex = rewritten(fn, hidden, targets, cce_variant="rowwise")
+        self.assertEqual(ex.records[0].params["variant"], "rowwise")
+        self.assertEqual(len(ex.result), 3)  # the extra outputs stay inside the wrapper
+        logits, loss, again = ex.result
+        expected_logits, expected_loss, _ = fn(hidden, targets)
+        torch.testing.assert_close(logits, expected_logits)
+        torch.testing.assert_close(loss, expected_loss)
+        expected = fn(hidden, targets)
+        assert_close_all(
+            grads(loss + _z_loss(logits) + again.square().mean(), params),
+            grads(expected[1] + _z_loss(expected[0]) + expected[2].square().mean(), params),
+        )
+
+    def test_rowwise_without_a_backward_keeps_cce_with_logits(self):
+        """Under ``no_grad`` (HF Trainer's evaluation) nothing wants a gradient: the loss comes from
+        ``cce_with_logits`` and the logits are eager's."""
+        weight, _ = _params()
+        hidden = torch.randn(6, D)
+
+        def fn(h, t):
+            logits = F.linear(h, weight)
+            return logits, F.cross_entropy(logits, t)
+
+        targets = torch.randint(0, V, (6,))
+        with torch.no_grad():
+            ex = rewritten(fn, hidden, targets, cce_variant="rowwise")
+            expected_logits, expected_loss = fn(hidden, targets)
+        self.assertEqual(ex.records[0].params["variant"], "with_logits")
+        self.assertIn("nothing wants a gradient", ex.records[0].params["variant_reason"])
+        torch.testing.assert_close(ex.result[0], expected_logits)
+        torch.testing.assert_close(ex.result[1], expected_loss)
+
     def test_logits_used_elsewhere(self):
         """Another op of the graph reads the logits (an accuracy metric): it reads the op's logits."""
         weight, bias = _params(bias=True)
