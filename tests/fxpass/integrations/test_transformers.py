@@ -241,15 +241,19 @@ def test_bf16_autocast(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_keeps_the_sum_then_divide_loss(tmp_path):
+@pytest.mark.parametrize("variant", ["auto", "rowwise"])
+def test_gradient_accumulation_keeps_the_sum_then_divide_loss(tmp_path, variant):
     """With ``gradient_accumulation_steps=2`` the Trainer passes ``num_items_in_batch`` and the model's loss is a
-    sum divided by it: CCE takes the sum."""
-    _compare("gpt2", tmp_path, gradient_accumulation_steps=2)
+    sum divided by it: CCE takes the sum. "rowwise" is what CUDA takes for the Trainer's returned logits (the
+    row-wise op returns them, their gradient re-attached outside the graph); evaluation, under ``no_grad``,
+    keeps ``cce_with_logits``."""
+    _compare("gpt2", tmp_path, options={**FAST, "cce_variant": variant}, gradient_accumulation_steps=2)
     graph = _training_graph()
     assert len(_applied(graph, "attention")) == LAYERS, _reasons(graph)
     cce = _applied(graph, "cce")
     assert len(cce) == 1, _reasons(graph)
     assert cce[0].params["reduction"] == "sum"
+    assert cce[0].params["variant"] == ("rowwise" if variant == "rowwise" else "with_logits")
 
 
 @pytest.mark.slow

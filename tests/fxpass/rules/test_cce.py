@@ -482,18 +482,21 @@ class GraphModule(torch.nn.Module):
         assert_close_all(grads(loss, [hidden, weight, bias]), grads(expected_loss, [hidden, weight, bias]))
 
     def test_dynamic_shapes(self):
-        """Symbolic leading sizes of the returned logits are read off the hidden states."""
+        """Symbolic leading sizes of the returned logits are read off the hidden states, for both ops."""
         weight, _ = _params()
 
         def fn(h, t):
             logits = h @ weight.t()
             return logits, F.cross_entropy(logits.float().flatten(0, 1), t.flatten())
 
-        for batch, seq in [(2, 3), (3, 5)]:
-            hidden = torch.randn(batch, seq, D, requires_grad=True)
-            ex = _check_returned(fn, [hidden, weight], hidden, torch.randint(0, V, (batch, seq)), dynamic=True)
-            self.assertTrue(ex.applied)
-        self.assertIn("size()", after_code(ex))
+        for variant in ("auto", "rowwise"):
+            for batch, seq in [(2, 3), (3, 5)]:
+                hidden = torch.randn(batch, seq, D, requires_grad=True)
+                targets = torch.randint(0, V, (batch, seq))
+                ex = _check_returned(fn, [hidden, weight], hidden, targets, dynamic=True, cce_variant=variant)
+                self.assertTrue(ex.applied)
+                self.assertEqual(ex.records[0].params["variant"], "rowwise" if variant == "rowwise" else "with_logits")
+            self.assertIn("size()", after_code(ex))
 
     def test_a_copy_of_the_logits_returned_declines(self):
         weight, _ = _params()
