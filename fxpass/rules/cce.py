@@ -605,19 +605,20 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
         after = rowwise.working_set(rows, vocab, dim, dtype, device, _needs(candidate))
     else:
         after = working_set(rows, vocab, dim, dtype, device)
+    # A caller that drops the returned logits (``.loss``, the Trainer) frees them before the backward, where
+    # autograd hands the graph their gradient (zeros): the two are charged as one, never alive together.
+    returned_then_gradient = "returned: the logits [N, V] (forward), then their gradient, zeros if unused (backward)"
     if candidate.returns_logits:
-        before["returned: the logits [N, V], alive while the caller keeps them"] = returned
-        before["transient (backward): the returned logits' gradient (zeros when unused)"] = returned
+        before[returned_then_gradient] = returned
     if candidate.returns_logits and variant == "rowwise":  # gradients taken from the logits it returns
         padded = rows * rowwise.padded_vocab(vocab) * dtype.itemsize
-        after["returned: the logits [N, V] (rows padded to 64), alive while the caller keeps them"] = padded
+        after["returned: the logits [N, V] (rows padded to 64); no gradient of theirs enters the graph"] = padded
         # the operands handed back to the wrapper get autograd's zeros when the logits go unused
         after["transient (backward): zero gradients of the hidden states returned for the logits' own"] = (
             rows * dim * dtype.itemsize
         )
     elif candidate.returns_logits:
-        after["returned: the logits [N, V], alive while the caller keeps them"] = returned
-        after["transient (backward): the returned logits' gradient (zeros when unused)"] = returned
+        after[returned_then_gradient] = returned
     return shapes.MemoryModel(before, after)
 
 
