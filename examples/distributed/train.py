@@ -178,7 +178,8 @@ def record_json(report) -> dict[str, Any]:
         "graph": report.graph_id,
         "records": [
             {"rule": r.rule, "applied": r.applied, "reason": r.reason,
-             "causal": r.params.get("causal"), "saved_bytes_hint": r.saved_bytes_hint}
+             "causal": r.params.get("causal"), "variant": r.params.get("variant"),
+             "saved_bytes_hint": r.saved_bytes_hint}
             for r in report.records
         ],
     }

@@ -41,6 +41,21 @@ def test_ddp_small_buckets_keep_patterns_whole(tmp_path):
         assert_same_grads(results[1][variant]["grads"], results[0][variant]["grads"], rtol=0, atol=0)
 
 
+def test_ddp_small_buckets_with_the_rowwise_op_returning_logits(tmp_path):
+    """The CUDA default for returned logits, forced on CPU: the piece holding the loss returns the logits from
+    the row-wise op and the backend re-attaches their gradient outside it; gradients still equal plain
+    torch.compile's after the all-reduce."""
+    options = '{"force": true, "strict": true, "cce_variant": "rowwise"}'
+    reports = run_driver(tmp_path, "--parallel", "ddp", "--bucket-mb", "0.01", "--options", options)
+    results = rank_results(tmp_path)
+    for report in reports:
+        assert applied(report) == ["attention", "attention", "cce"], report["rank"]
+        assert [r["variant"] for r in records(report) if r["rule"] == "cce"] == ["rowwise"]
+    for result in results:
+        assert_same_grads(result["memopt"]["grads"], result["torch.compile"]["grads"], **TOL)
+        assert abs(result["torch.compile"]["loss"] - result["memopt"]["loss"]) < 1e-5
+
+
 def test_ddp_per_block_compile_with_compiled_head_loss(tmp_path):
     """Llama's shape, each block compiled alone, classifier + loss in one graph: CCE and attention apply (the
     blocks share one graph: one attention record)."""

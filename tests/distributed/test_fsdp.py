@@ -19,12 +19,17 @@ pytestmark = pytest.mark.slow
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["whole", "blocks"])
-def test_fsdp2_matches_torch_compile(tmp_path, layout):
-    reports = run_driver(tmp_path, "--parallel", "fsdp", "--compile", layout)
+@pytest.mark.parametrize(("layout", "variant"), [("whole", "auto"), ("blocks", "auto"), ("whole", "rowwise")])
+def test_fsdp2_matches_torch_compile(tmp_path, layout, variant):
+    """"rowwise": the CUDA default for returned logits, forced on CPU; the wrapper casts the all-gathered
+    classifier weight the root's graph received, and its gradient comes back sharded like the others."""
+    options = f'{{"force": true, "strict": true, "cce_variant": "{variant}"}}'
+    reports = run_driver(tmp_path, "--parallel", "fsdp", "--compile", layout, "--options", options)
     results = rank_results(tmp_path)
     for report in reports:
         assert applied(report) == ["attention", "cce"], report["rank"]
+        if variant == "rowwise":
+            assert [r["variant"] for r in records(report) if r["rule"] == "cce"] == ["rowwise"]
         attention = [r for r in records(report) if r["rule"] == "attention"]
         # the causal mask is built outside the sharded block and arrives as an input: an exact additive bias
         assert all(r["causal"] is False for r in attention), attention
