@@ -37,11 +37,11 @@ def test_model_on_cuda_emits_cce_kernel(build):
 
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
-def test_whole_model_on_cuda_takes_the_rowwise_op(build, use_logits):
+def test_whole_model_on_cuda_takes_the_rowwise_op(build, use_logits, monkeypatch):
     """``torch.compile(model, backend="memopt")`` on CUDA: the row-wise op returns the logits (its chunk kernel
     reading them, Inductor checking the padded rows' strides), and loss, logits and every gradient equal eager's
     (fp32), with the logits dropped or used by a second loss outside the graph."""
     model = build().cuda()
     ids, labels = (t.cuda() for t in _batch(masked_lm=False))
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     _check_whole_model(model, ids, labels, use_logits, options={"force": True}, rtol=1e-4, atol=1e-5)
