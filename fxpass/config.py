@@ -19,6 +19,7 @@ RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
 INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")
+WTA_CRS_SAMPLINGS: tuple[str, ...] = ("auto", "traced", "opaque")
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "memopt")
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
@@ -31,6 +32,7 @@ ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
 ENV_CCE_FILTER = "MEMOPT_CCE_FILTER_EPS"
 ENV_ASSUME_DEVICE = "MEMOPT_ASSUME_DEVICE"
 ENV_CCE_VARIANT = "MEMOPT_CCE_VARIANT"
+ENV_WTA_CRS_SAMPLING = "MEMOPT_WTA_CRS_SAMPLING"
 ENV_ATTENTION_KERNEL = "MEMOPT_ATTENTION_KERNEL"
 
 
@@ -56,6 +58,12 @@ class Config:
         wta_crs_min_tokens: WTA-CRS only rewrites linears over at least this many token rows.
         wta_crs_winners: keep the deterministic "winner" rows (WTA-CRS); False samples every row (plain
             column-row sampling), for comparisons.
+        wta_crs_sampling: how a WTA-CRS group's sample gets into the graph: "traced" (PyTorch that Inductor
+            fuses with its neighbours: no Python at training time, but kernels of its own for every group to
+            compile), "opaque" (``memopt::wta_crs_sample``, one op per group that runs its PyTorch and kernels
+            as they are: Inductor compiles nothing for it) or "auto" (the default: opaque off CUDA, where it
+            took a 4-layer GPT-2's first step from 41.9 to 25.7 s at the same step time; traced on CUDA until
+            its step time there is measured; BENCHMARKS.md).
         cce_filter_eps: CCE's gradient filter on CUDA: logit-gradient tiles whose every |softmax − target| is
             below it are skipped (faster, approximate gradients). None or 0 keeps gradients exact; "auto" is
             the input dtype's machine epsilon / 32, as Apple's CCE (2⁻¹² for bf16).
@@ -84,6 +92,7 @@ class Config:
     wta_crs_budget: float | None = None
     wta_crs_min_tokens: int = 256
     wta_crs_winners: bool = True
+    wta_crs_sampling: str = "auto"
     cce_filter_eps: float | str | None = None
     assume_device: str | None = None
     cce_variant: str = "auto"
@@ -106,6 +115,8 @@ class Config:
                 raise ConfigError(f"cce_filter_eps must be in [0, 1) or 'auto', got {self.cce_filter_eps!r}")
         if self.assume_device is not None and self.assume_device not in DEVICE_TYPES:
             raise ConfigError(f"assume_device must be one of {DEVICE_TYPES} or None, got {self.assume_device!r}")
+        if self.wta_crs_sampling not in WTA_CRS_SAMPLINGS:
+            raise ConfigError(f"wta_crs_sampling must be one of {WTA_CRS_SAMPLINGS}, got {self.wta_crs_sampling!r}")
         if self.cce_variant not in CCE_VARIANTS:
             raise ConfigError(f"cce_variant must be one of {CCE_VARIANTS}, got {self.cce_variant!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -188,6 +199,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["assume_device"] = device
     if env.get(ENV_CCE_VARIANT):
         values["cce_variant"] = env[ENV_CCE_VARIANT].strip().lower()
+    if env.get(ENV_WTA_CRS_SAMPLING):
+        values["wta_crs_sampling"] = env[ENV_WTA_CRS_SAMPLING].strip().lower()
     if env.get(ENV_ATTENTION_KERNEL):
         values["attention_kernel"] = env[ENV_ATTENTION_KERNEL].strip().lower()
     if env.get(ENV_INNER):

@@ -79,6 +79,22 @@ def sample(
     return index, _gather_rows(x, index, weight)
 
 
+@reference_op("wta_crs_sample")
+def wta_crs_sample(
+    x: torch.Tensor, estimate: torch.Tensor, budget: float, period: int, winners: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` as one opaque op: its PyTorch and kernels run as they are at training time, and Inductor
+    compiles nothing for it (traced, each group's sampling fuses with its neighbours into kernels of its own)."""
+    return sample(x, estimate, budget, period, winners)
+
+
+@wta_crs_sample.register_fake
+def _(x, estimate, budget, period, winners):
+    rows = x.shape[0]
+    k = rows if budget >= 1.0 else reference.sample_size(rows, budget)
+    return x.new_empty(k, dtype=torch.long), x.new_empty(k, x.shape[1])
+
+
 @device_op("wta_crs_draw")
 def wta_crs_draw(scores: torch.Tensor, uniforms: torch.Tensor, winners: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(index, weight) of one sample from unnormalized ``scores`` [N], one slot per uniform in [0, 1).
