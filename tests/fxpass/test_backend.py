@@ -536,10 +536,12 @@ def test_inductor_caches_are_keyed_on_memopt_sources(monkeypatch):
     assert seen.get("post_grad_custom_pre_pass") is SOURCE_KEYED_PASS
 
 
-def test_a_graph_calling_memopt_functions_is_served_from_the_autograd_cache():
-    """The WTA-CRS rule puts ``lowerings.wta_crs.op.sample`` in the graph; the AOTAutograd cache would bypass such a
-    graph and trace it again on every start. Marked cacheable (keyed on memopt's sources), the second compile of
-    the same graph is a cache hit and trains the same."""
+@pytest.mark.parametrize("sampling", ["traced", "opaque"])
+def test_a_graph_calling_memopt_functions_is_served_from_the_autograd_cache(sampling):
+    """With traced sampling the WTA-CRS rule puts ``lowerings.wta_crs.op.sample`` in the graph; the AOTAutograd
+    cache would bypass such a graph and trace it again on every start. Marked cacheable (keyed on memopt's
+    sources), the second compile of the same graph is a cache hit and trains the same. The opaque sampling op
+    needs no mark."""
     from torch._inductor.utils import fresh_cache
 
     from fxpass.cache import cacheable_functions, source_hash
@@ -552,7 +554,8 @@ def test_a_graph_calling_memopt_functions_is_served_from_the_autograd_cache():
         def forward(self, x):
             return self.down(F.gelu(self.up(x))).square().mean()
 
-    options = {"wta_crs_budget": 0.5, "wta_crs_min_tokens": 1, "force": True, "strict": True}
+    options = {"wta_crs_budget": 0.5, "wta_crs_min_tokens": 1, "force": True, "strict": True,
+               "wta_crs_sampling": sampling}
     seen = []
     backend = fxpass.MemoptBackend(options=options, sink=lambda report: seen.append(report.graph_module))
     x = torch.randn(4, 6, 8)
@@ -569,7 +572,8 @@ def test_a_graph_calling_memopt_functions_is_served_from_the_autograd_cache():
             losses.append((loss.detach(), block.up.weight.grad))
             assert fxpass.reports()[-1].applied
         assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
-    assert cacheable_functions(seen[-1]) == {"lowerings.wta_crs.op.sample": source_hash().hex()}
+    marked = {"lowerings.wta_crs.op.sample": source_hash().hex()} if sampling == "traced" else {}
+    assert cacheable_functions(seen[-1]) == marked
     (first_loss, first_grad), (second_loss, second_grad) = losses
     torch.testing.assert_close(second_loss, first_loss, rtol=0, atol=0)
     torch.testing.assert_close(second_grad, first_grad, rtol=0, atol=0)

@@ -46,9 +46,15 @@ class TestDefaults:
     def test_option_names(self):
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
-            "wta_crs_min_tokens", "wta_crs_winners", "cce_filter_eps", "assume_device", "cce_variant",
-            "attention_kernel",
+            "wta_crs_min_tokens", "wta_crs_winners", "wta_crs_sampling", "cce_filter_eps", "assume_device",
+            "cce_variant", "attention_kernel",
         }
+
+    def test_wta_crs_sampling(self):
+        assert Config().wta_crs_sampling == "auto"
+        assert Config.from_options({}, env={"MEMOPT_WTA_CRS_SAMPLING": "Opaque"}).wta_crs_sampling == "opaque"
+        with pytest.raises(ConfigError, match="wta_crs_sampling must be one of"):
+            Config(wta_crs_sampling="eager")
 
 
 class TestEnvironment:

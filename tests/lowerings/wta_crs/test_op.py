@@ -219,6 +219,25 @@ def test_opcheck(dtype):
     )
 
 
+@pytest.mark.parametrize("budget", [0.3, 1.0])
+def test_sample_op_is_sample(budget):
+    """``memopt::wta_crs_sample`` (the opaque sampling of ``wta_crs_sampling="opaque"``) draws what ``sample``
+    draws under the same seed, and its fake gives the same k rows."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(60, 8, generator=gen)
+    estimate = torch.rand(reference.MAX_POSITIONS, generator=gen)
+    torch.manual_seed(11)
+    index, rows = torch.ops.memopt.wta_crs_sample(x, estimate, budget, 20, True)
+    torch.manual_seed(11)
+    expected_index, expected_rows = sample(x, estimate, budget, 20, True)
+    assert torch.equal(index, expected_index) and torch.equal(rows, expected_rows)
+    assert index.shape == (reference.sample_size(60, budget),)
+    torch.library.opcheck(
+        torch.ops.memopt.wta_crs_sample.default, (x, estimate, budget, 20, True),
+        test_utils=("test_schema", "test_faketensor"),  # it draws: two calls differ by design
+    )
+
+
 @pytest.mark.parametrize("winners", [True, False])
 def test_draw_opcheck(winners):
     """The draw op's schema, fake (meta) implementation and dispatch: outputs of fixed shape k."""
