@@ -28,10 +28,16 @@ VARIANTS = {
     "torch.compile": None,
     "memopt": {},
     "memopt + WTA-CRS 0.3": {"wta_crs_budget": 0.3},
+    # both ways of sampling, whichever "auto" takes on this device (``Config.wta_crs_sampling``)
+    "memopt + WTA-CRS 0.3 (traced sampling)": {"wta_crs_budget": 0.3, "wta_crs_sampling": "traced"},
+    "memopt + WTA-CRS 0.3 (opaque sampling)": {"wta_crs_budget": 0.3, "wta_crs_sampling": "opaque"},
 }
 
 
-def child(model_name: str, attention: str, dropout: str, batch: int, seq: int, variant: str, tiny: bool) -> dict:
+def child(
+    model_name: str, attention: str, dropout: str, batch: int, seq: int, variant: str, tiny: bool,
+    layers: int | None = None,
+) -> dict:
     """One variant's first step in this process (timed as ``e2e.first_call`` times it): seconds, the rewrites applied
     and the AOTAutograd cache counters."""
     from torch._dynamo.utils import counters
@@ -40,7 +46,7 @@ def child(model_name: str, attention: str, dropout: str, batch: int, seq: int, v
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = e2e.build_model(model_name, attention, dropout, tiny).to(device)
+    model = e2e.build_model(model_name, attention, dropout, tiny, layers=layers).to(device)
     inputs = e2e.make_batch(model.config.vocab_size, batch, seq, False, device)
     options = VARIANTS[variant]
     backend = "torch.compile" if options is None else "memopt"
@@ -56,7 +62,7 @@ def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
     command = [
         sys.executable, __file__, "--child", variant, "--models", args.models, "--attention", args.attention,
         "--dropout", args.dropout, "--batch", str(args.batch), "--seq", str(args.seq),
-    ] + (["--tiny"] if args.tiny else [])  # fmt: skip
+    ] + (["--tiny"] if args.tiny else []) + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -83,13 +89,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dropout", default="config")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="names of VARIANTS, comma-separated")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: its config's)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     if args.child is not None:
-        row = child(args.models, args.attention, args.dropout, args.batch, args.seq, args.child, args.tiny)
+        row = child(args.models, args.attention, args.dropout, args.batch, args.seq, args.child, args.tiny, args.layers)
         print(json.dumps(row), flush=True)
         return [row]
     rows = []

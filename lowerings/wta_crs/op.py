@@ -20,8 +20,11 @@ fail every later backward's saved-tensor version check. The estimate only steers
 calls of one step read in their backward (their own forward's values or a later call's update) never biases a
 gradient.
 
-Only the linears form an opaque op: sampling and the backward are ordinary PyTorch, which AOTAutograd traces
-into the compiled graphs, so Inductor fuses them and no per-op Python runs at training time. The draw itself
+The linears form an opaque op; the backward is ordinary PyTorch, which AOTAutograd traces into the compiled
+graph. The sample enters the graph one of two ways (``Config.wta_crs_sampling``): traced (``sample`` itself,
+which Inductor fuses with its neighbours, so no per-op Python runs at training time, but every group's
+sampling becomes kernels of its own to compile) or opaque (``memopt::wta_crs_sample``, which runs ``sample``
+as it is at training time and gives Inductor nothing to compile). The draw itself
 (winners, then draws with replacement) is ``memopt::wta_crs_draw``, a ``triton_op``: on CUDA one Triton
 program that Inductor emits as is, where the sorted PyTorch rule took a top-k and about fifteen launches.
 Randomness comes from torch's generator (Inductor's when compiled): fresh draws each step, reproducible
