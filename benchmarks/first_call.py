@@ -28,7 +28,7 @@ VARIANTS = {
     "torch.compile": None,
     "memopt": {},
     "memopt + WTA-CRS 0.3": {"wta_crs_budget": 0.3},
-    # both ways of sampling, whichever "auto" takes on this device (``Config.wta_crs_sampling``)
+    # both ways of sampling (``Config.wta_crs_sampling``; the row above takes the default, traced)
     "memopt + WTA-CRS 0.3 (traced sampling)": {"wta_crs_budget": 0.3, "wta_crs_sampling": "traced"},
     "memopt + WTA-CRS 0.3 (opaque sampling)": {"wta_crs_budget": 0.3, "wta_crs_sampling": "opaque"},
 }

@@ -40,7 +40,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def profile_variant(args: argparse.Namespace, variant: str, device: torch.device) -> str:
     backend, options = parse_variant(variant)
     torch.manual_seed(0)
-    model = build_model(args.model, args.attention, args.dropout, args.tiny, args.checkpointing).to(device)
+    model = build_model(args.model, args.attention, args.dropout, args.tiny, args.checkpointing, args.layers)
+    model = model.to(device)
     seq, size = args.seq, args.batch
     batch = make_batch(model.config.vocab_size, size, seq, args.flow == "padded", device)
     step = compiled_step(model, args.flow, backend, "inductor", options)
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--memory", action="store_true", help="also list what is allocated at a step's peak")
+    parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: its config's)")
     parser.add_argument("--tiny", action="store_true", help="small models: check the script")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)

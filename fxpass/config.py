@@ -19,7 +19,7 @@ RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
 INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")
-WTA_CRS_SAMPLINGS: tuple[str, ...] = ("auto", "traced", "opaque")
+WTA_CRS_SAMPLINGS: tuple[str, ...] = ("traced", "opaque")
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "memopt")
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
@@ -58,12 +58,12 @@ class Config:
         wta_crs_min_tokens: WTA-CRS only rewrites linears over at least this many token rows.
         wta_crs_winners: keep the deterministic "winner" rows (WTA-CRS); False samples every row (plain
             column-row sampling), for comparisons.
-        wta_crs_sampling: how a WTA-CRS group's sample gets into the graph: "traced" (PyTorch that Inductor
-            fuses with its neighbours: no Python at training time, but kernels of its own for every group to
-            compile), "opaque" (``memopt::wta_crs_sample``, one op per group that runs its PyTorch and kernels
-            as they are: Inductor compiles nothing for it) or "auto" (the default: opaque off CUDA, where it
-            took a 4-layer GPT-2's first step from 41.9 to 25.7 s at the same step time; traced on CUDA until
-            its step time there is measured; BENCHMARKS.md).
+        wta_crs_sampling: how a WTA-CRS group's sample gets into the graph: "traced" (the default: PyTorch that
+            Inductor fuses with its neighbours, so no Python runs at training time, but every group's sampling
+            compiles kernels of its own) or "opaque" (``memopt::wta_crs_sample``, one op per group that runs its
+            PyTorch and kernels as they are: Inductor compiles nothing for it). On CPU, opaque took a 4-layer
+            GPT-2's first step from 27.2 to 23.6 s and its steps ~4 % longer (BENCHMARKS.md); not measured on
+            CUDA yet.
         cce_filter_eps: CCE's gradient filter on CUDA: logit-gradient tiles whose every |softmax − target| is
             below it are skipped (faster, approximate gradients). None or 0 keeps gradients exact; "auto" is
             the input dtype's machine epsilon / 32, as Apple's CCE (2⁻¹² for bf16).
@@ -92,7 +92,7 @@ class Config:
     wta_crs_budget: float | None = None
     wta_crs_min_tokens: int = 256
     wta_crs_winners: bool = True
-    wta_crs_sampling: str = "auto"
+    wta_crs_sampling: str = "traced"
     cce_filter_eps: float | str | None = None
     assume_device: str | None = None
     cce_variant: str = "auto"

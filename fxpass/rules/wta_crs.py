@@ -223,16 +223,7 @@ def decide(candidate: WtaMatch, config: Config) -> Decision:
         return Decision(False, f"{few.saved_hint} token rows, fewer than wta_crs_min_tokens={minimum}")
     memory = memory_model(candidate, config.wta_crs_budget)
     decision = decide_on_saving(memory, config, "weight gradients from a sample")
-    return dataclasses.replace(decision, params={"sampling": sampling(candidate, config)})
-
-
-def sampling(candidate: WtaMatch, config: Config) -> str:
-    """"traced" or "opaque": how the group's sample enters the graph (``Config.wta_crs_sampling``). "auto" takes
-    the opaque op off CUDA, where traced sampling doubled the compile time for no faster step, and keeps it
-    traced on CUDA, where the opaque op's eager launches at training time are not yet measured."""
-    if config.wta_crs_sampling != "auto":
-        return config.wta_crs_sampling
-    return "traced" if tensor_value(candidate.input).device.type == "cuda" else "opaque"
+    return dataclasses.replace(decision, params={"sampling": config.wta_crs_sampling})
 
 
 def memory_model(candidate: WtaMatch, budget: float) -> shapes.MemoryModel:
@@ -281,7 +272,7 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
         estimate = _estimate_node(gm, candidate, fake_mode, first)
         period = _period_arg(add, candidate)
         tokens = add("call_method", "flatten", add("call_method", "detach", x), 0, -2)
-        draw = sample if sampling(candidate, config) == "traced" else torch.ops.memopt.wta_crs_sample.default
+        draw = sample if config.wta_crs_sampling == "traced" else torch.ops.memopt.wta_crs_sample.default
         drawn = add("call_function", draw, tokens, estimate, float(config.wta_crs_budget), period,
                     config.wta_crs_winners)
         index, rows = (add("call_function", operator.getitem, drawn, i) for i in range(2))

@@ -51,10 +51,10 @@ class TestDefaults:
         }
 
     def test_wta_crs_sampling(self):
-        assert Config().wta_crs_sampling == "auto"
+        assert Config().wta_crs_sampling == "traced"
         assert Config.from_options({}, env={"MEMOPT_WTA_CRS_SAMPLING": "Opaque"}).wta_crs_sampling == "opaque"
         with pytest.raises(ConfigError, match="wta_crs_sampling must be one of"):
-            Config(wta_crs_sampling="eager")
+            Config(wta_crs_sampling="auto")
 
 
 class TestEnvironment:

@@ -80,9 +80,9 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_0: "f32[4096]cpu" = self.memopt_wta_estimate_0
         detach: "f32[2, 12, 16]cpu" = h.detach()
         flatten: "f32[24, 16]cpu" = detach.flatten(0, -2);  detach = None
-        wta_crs_sample_default = torch.ops.memopt.wta_crs_sample.default(flatten, memopt_wta_estimate_0, 0.3, 12, True);  flatten = None
-        getitem: "i64[8]cpu" = wta_crs_sample_default[0]
-        getitem_1: "f32[8, 16]cpu" = wta_crs_sample_default[1];  wta_crs_sample_default = None
+        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True);  flatten = None
+        getitem: "i64[8]cpu" = sample[0]
+        getitem_1: "f32[8, 16]cpu" = sample[1];  sample = None
         wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(h, [l_block_modules_q_parameters_weight_, l_block_modules_k_parameters_weight_, l_block_modules_v_parameters_weight_], [l_block_modules_q_parameters_bias_, l_block_modules_k_parameters_bias_, l_block_modules_v_parameters_bias_], [0, 1, 2], getitem, getitem_1, memopt_wta_estimate_0, 'wta_crs:L_block_modules_q_parameters_weight_,L_block_modules_k_parameters_weight_,L_block_modules_v_parameters_weight_', 12);  h = l_block_modules_q_parameters_weight_ = l_block_modules_k_parameters_weight_ = l_block_modules_v_parameters_weight_ = l_block_modules_q_parameters_bias_ = l_block_modules_k_parameters_bias_ = l_block_modules_v_parameters_bias_ = getitem = getitem_1 = memopt_wta_estimate_0 = None
         getitem_2: "f32[2, 12, 16]cpu" = wta_crs_linears_default[0]
         getitem_3: "f32[2, 12, 16]cpu" = wta_crs_linears_default[1]
@@ -95,9 +95,9 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_1: "f32[4096]cpu" = self.memopt_wta_estimate_1
         detach_1: "f32[2, 12, 16]cpu" = matmul_1.detach()
         flatten_1: "f32[24, 16]cpu" = detach_1.flatten(0, -2);  detach_1 = None
-        wta_crs_sample_default_1 = torch.ops.memopt.wta_crs_sample.default(flatten_1, memopt_wta_estimate_1, 0.3, 12, True);  flatten_1 = None
-        getitem_5: "i64[8]cpu" = wta_crs_sample_default_1[0]
-        getitem_6: "f32[8, 16]cpu" = wta_crs_sample_default_1[1];  wta_crs_sample_default_1 = None
+        sample_1 = lowerings_wta_crs_op_sample(flatten_1, memopt_wta_estimate_1, 0.3, 12, True);  flatten_1 = None
+        getitem_5: "i64[8]cpu" = sample_1[0]
+        getitem_6: "f32[8, 16]cpu" = sample_1[1];  sample_1 = None
         wta_crs_linears_default_1 = torch.ops.memopt.wta_crs_linears.default(matmul_1, [l_block_modules_o_parameters_weight_], [l_block_modules_o_parameters_bias_], [0], getitem_5, getitem_6, memopt_wta_estimate_1, 'wta_crs:L_block_modules_o_parameters_weight_', 12);  matmul_1 = l_block_modules_o_parameters_weight_ = l_block_modules_o_parameters_bias_ = getitem_5 = getitem_6 = memopt_wta_estimate_1 = None
         getitem_7: "f32[2, 12, 16]cpu" = wta_crs_linears_default_1[0];  wta_crs_linears_default_1 = None
         x: "f32[2, 12, 16]cpu" = l_x_ + getitem_7;  l_x_ = getitem_7 = None
@@ -105,18 +105,18 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_2: "f32[4096]cpu" = self.memopt_wta_estimate_2
         detach_2: "f32[2, 12, 16]cpu" = layer_norm_1.detach()
         flatten_2: "f32[24, 16]cpu" = detach_2.flatten(0, -2);  detach_2 = None
-        wta_crs_sample_default_2 = torch.ops.memopt.wta_crs_sample.default(flatten_2, memopt_wta_estimate_2, 0.3, 12, True);  flatten_2 = None
-        getitem_8: "i64[8]cpu" = wta_crs_sample_default_2[0]
-        getitem_9: "f32[8, 16]cpu" = wta_crs_sample_default_2[1];  wta_crs_sample_default_2 = None
+        sample_2 = lowerings_wta_crs_op_sample(flatten_2, memopt_wta_estimate_2, 0.3, 12, True);  flatten_2 = None
+        getitem_8: "i64[8]cpu" = sample_2[0]
+        getitem_9: "f32[8, 16]cpu" = sample_2[1];  sample_2 = None
         wta_crs_linears_default_2 = torch.ops.memopt.wta_crs_linears.default(layer_norm_1, [l_block_modules_fc_parameters_weight_], [l_block_modules_fc_parameters_bias_], [0], getitem_8, getitem_9, memopt_wta_estimate_2, 'wta_crs:L_block_modules_fc_parameters_weight_', 12);  layer_norm_1 = l_block_modules_fc_parameters_weight_ = l_block_modules_fc_parameters_bias_ = getitem_8 = getitem_9 = memopt_wta_estimate_2 = None
         getitem_10: "f32[2, 12, 64]cpu" = wta_crs_linears_default_2[0];  wta_crs_linears_default_2 = None
         gelu: "f32[2, 12, 64]cpu" = torch._C._nn.gelu(getitem_10);  getitem_10 = None
         memopt_wta_estimate_3: "f32[4096]cpu" = self.memopt_wta_estimate_3
         detach_3: "f32[2, 12, 64]cpu" = gelu.detach()
         flatten_3: "f32[24, 64]cpu" = detach_3.flatten(0, -2);  detach_3 = None
-        wta_crs_sample_default_3 = torch.ops.memopt.wta_crs_sample.default(flatten_3, memopt_wta_estimate_3, 0.3, 12, True);  flatten_3 = None
-        getitem_11: "i64[8]cpu" = wta_crs_sample_default_3[0]
-        getitem_12: "f32[8, 64]cpu" = wta_crs_sample_default_3[1];  wta_crs_sample_default_3 = None
+        sample_3 = lowerings_wta_crs_op_sample(flatten_3, memopt_wta_estimate_3, 0.3, 12, True);  flatten_3 = None
+        getitem_11: "i64[8]cpu" = sample_3[0]
+        getitem_12: "f32[8, 64]cpu" = sample_3[1];  sample_3 = None
         wta_crs_linears_default_3 = torch.ops.memopt.wta_crs_linears.default(gelu, [l_block_modules_proj_parameters_weight_], [l_block_modules_proj_parameters_bias_], [0], getitem_11, getitem_12, memopt_wta_estimate_3, 'wta_crs:L_block_modules_proj_parameters_weight_', 12);  gelu = l_block_modules_proj_parameters_weight_ = l_block_modules_proj_parameters_bias_ = getitem_11 = getitem_12 = memopt_wta_estimate_3 = None
         getitem_13: "f32[2, 12, 16]cpu" = wta_crs_linears_default_3[0];  wta_crs_linears_default_3 = None
         add_1: "f32[2, 12, 16]cpu" = x + getitem_13;  x = getitem_13 = None
@@ -124,12 +124,20 @@ class GraphModule(torch.nn.Module):
         return (sum_1,)""")
 
     def test_values_and_input_gradients_are_exact(self):
-        """Outputs, the input gradient and every bias gradient equal eager; weight gradients are estimates."""
+        """Outputs, the input gradient and every bias gradient equal eager; weight gradients are estimates. The
+        opaque sample (``wta_crs_sampling="opaque"``) is one ``memopt::wta_crs_sample`` call per group."""
+        for sampling in ("traced", "opaque"):
+            with self.subTest(sampling=sampling):
+                self._check_exact_values_and_input_gradients(sampling)
+
+    def _check_exact_values_and_input_gradients(self, sampling: str):
         block, x = _block_inputs()
         expected = block(x).square().sum()
         names, params = zip(*block.named_parameters(), strict=True)
         expected_grads = torch.autograd.grad(expected, [x, *params])
-        backend = fxpass.MemoptBackend(options=ON | {"force": True})
+        reports = []
+        backend = fxpass.MemoptBackend(options=ON | {"force": True, "wta_crs_sampling": sampling},
+                                       sink=reports.append, keep_code=True)
         compiled = torch.compile(lambda x: block(x).square().sum(), backend=backend)
         actual = compiled(x)
         actual_grads = torch.autograd.grad(actual, [x, *params])
@@ -144,6 +152,9 @@ class GraphModule(torch.nn.Module):
                 assert_close_scaled(got, want, rel=2e-6, scale=scale, name=name)
             elif name.endswith("weight"):
                 assert got.shape == want.shape and not torch.equal(got, want), name
+        groups = [r for r in reports[-1].records if r.rule == "wta_crs" and r.applied]
+        assert groups and all(r.params["sampling"] == sampling for r in groups)
+        assert ("memopt.wta_crs_sample" in reports[-1].after) == (sampling == "opaque")
 
     def test_gpt2_conv1d_addmm(self):
         """GPT-2's Conv1D (``addmm(b, x.view(-1, D), W[D_in, D_out])``): rewritten, positions from the 3-D view."""
@@ -171,9 +182,9 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_0: "f32[4096]cpu" = self.memopt_wta_estimate_0
         detach: "f32[24, 16]cpu" = view.detach()
         flatten: "f32[24, 16]cpu" = detach.flatten(0, -2);  detach = None
-        wta_crs_sample_default = torch.ops.memopt.wta_crs_sample.default(flatten, memopt_wta_estimate_0, 0.3, 12, True);  flatten = None
-        getitem: "i64[8]cpu" = wta_crs_sample_default[0]
-        getitem_1: "f32[8, 16]cpu" = wta_crs_sample_default[1];  wta_crs_sample_default = None
+        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True);  flatten = None
+        getitem: "i64[8]cpu" = sample[0]
+        getitem_1: "f32[8, 16]cpu" = sample[1];  sample = None
         wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(view, [t], [l_bias_], [0], getitem, getitem_1, memopt_wta_estimate_0, 'wta_crs:L_weight_', 12);  view = t = l_bias_ = getitem = getitem_1 = memopt_wta_estimate_0 = None
         getitem_2: "f32[24, 48]cpu" = wta_crs_linears_default[0];  wta_crs_linears_default = None
         view_1: "f32[2, 12, 48]cpu" = getitem_2.view(2, 12, 48);  getitem_2 = None
