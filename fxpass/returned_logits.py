@@ -40,12 +40,21 @@ class Operand:
     transposed: bool = False
 
     def value(self, inputs: Sequence[Any] | Mapping[int, Any], outputs: Sequence[Any]) -> torch.Tensor:
-        if self.kind == "output":
-            return outputs[self.index]
-        tensor = inputs[self.index]
+        """The tensor itself: a graph input as it came in (``as_seen`` makes it what the op saw)."""
+        return outputs[self.index] if self.kind == "output" else inputs[self.index]
+
+    def as_seen(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` cast and transposed as the op saw it (only in the backward: a cast copy of the classifier
+        made at every call would be kept as long as the logits live)."""
         if self.dtype is not None and tensor.dtype != self.dtype:
             tensor = tensor.to(self.dtype)
         return tensor.t() if self.transposed else tensor
+
+    def gradient_of(self, grad: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+        """The gradient of ``tensor`` from the gradient of ``as_seen(tensor)``: the transpose and cast undone, as
+        autograd's backward of those two ops would."""
+        grad = grad.t() if self.transposed else grad
+        return grad.to(tensor.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,23 +102,33 @@ def add_output(graph: fx.Graph, node: fx.Node) -> int:
     return len(values)
 
 
+AS_IS = Operand("output", -1)  # an operand the op saw as it is
+
+
 class LogitsGradient(torch.autograd.Function):
-    """``logits`` as they are, made differentiable in ``hidden``, ``weight`` and ``bias`` as ``F.linear`` is."""
+    """``logits`` as they are, made differentiable in ``hidden``, ``weight`` and ``bias`` as ``F.linear`` of the
+    operands as the op saw them is (``weight_seen.as_seen(weight)``, likewise the bias)."""
 
     @staticmethod
-    def forward(ctx, logits, hidden, weight, bias):
-        ctx.save_for_backward(hidden, weight)
-        ctx.has_bias = bias is not None
+    def forward(ctx, logits, hidden, weight, bias, weight_seen=AS_IS, bias_seen=AS_IS):
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.seen = (weight_seen, bias_seen)
         return logits.view_as(logits)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
-        grad_hidden = (rows @ weight).view(hidden.shape) if ctx.needs_input_grad[1] else None
-        grad_weight = rows.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[2] else None
-        grad_bias = rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return None, grad_hidden, grad_weight, grad_bias
+        hidden, weight, bias = ctx.saved_tensors
+        weight_seen, bias_seen = ctx.seen
+        classifier = weight_seen.as_seen(weight)
+        rows = grad.reshape(-1, grad.shape[-1]).to(classifier.dtype)
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_hidden = (rows @ classifier).view(hidden.shape)
+        if ctx.needs_input_grad[2]:
+            grad_weight = weight_seen.gradient_of(rows.t() @ hidden.reshape(-1, hidden.shape[-1]), weight)
+        if bias is not None and ctx.needs_input_grad[3]:
+            grad_bias = bias_seen.gradient_of(rows.sum(0), bias)
+        return None, grad_hidden, grad_weight, grad_bias, None, None
 
 
 def attach(compiled: Callable, entries: Sequence[ReturnedLogits], extra_outputs: int) -> Callable:
@@ -125,8 +144,11 @@ def attach(compiled: Callable, entries: Sequence[ReturnedLogits], extra_outputs:
                 hidden = entry.hidden.value(inputs, outputs)
                 weight = entry.weight.value(inputs, outputs)
                 bias = entry.bias.value(inputs, outputs) if entry.bias is not None else None
+                bias_seen = entry.bias if entry.bias is not None else AS_IS
                 for position in entry.positions:
-                    outputs[position] = LogitsGradient.apply(outputs[position], hidden, weight, bias)
+                    outputs[position] = LogitsGradient.apply(
+                        outputs[position], hidden, weight, bias, entry.weight, bias_seen
+                    )
         return outputs[: len(outputs) - extra_outputs]
 
     def run(*args: Any) -> list[Any]:  # Dynamo calls a backend's result with the graph's inputs, unboxed

@@ -66,3 +66,18 @@ def test_attach_without_entries_is_the_compiled_callable():
         return list(args)
 
     assert returned_logits.attach(compiled, [], extra_outputs=0) is compiled
+
+
+def test_a_transposed_weight_input_gets_its_gradient_in_its_own_layout():
+    """``h @ W`` with W [D, V] (nanoGPT-style code): the op saw Wᵀ; the gradient reaches W as [D, V], and the
+    classifier is only cast and transposed in the backward."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(3, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+    seen = Operand("input", 0, None, transposed=True)
+    logits = LogitsGradient.apply((hidden @ weight).detach(), hidden, weight, None, seen)
+    upstream = torch.randn(5, 7, dtype=torch.float64, generator=gen)
+    ours = torch.autograd.grad(logits, (hidden, weight), upstream)
+    theirs = torch.autograd.grad(hidden @ weight, (hidden, weight), upstream)
+    for mine, wanted in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, wanted)
