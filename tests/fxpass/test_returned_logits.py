@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -81,3 +82,16 @@ def test_a_transposed_weight_input_gets_its_gradient_in_its_own_layout():
     theirs = torch.autograd.grad(hidden @ weight, (hidden, weight), upstream)
     for mine, wanted in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, wanted)
+
+
+def test_modifying_the_returned_logits_in_place_raises():
+    """The documented limit: an in-place change of the re-attached logits is refused by autograd (an error,
+    never a wrong gradient); an out-of-place one is differentiated as usual."""
+    hidden = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 3, dtype=torch.float32, requires_grad=True)
+    logits, _ = _graph_like(hidden, weight)(hidden, weight)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        logits.mul_(2.0)
+    logits, _ = _graph_like(hidden, weight)(hidden, weight)
+    (logits * 2.0).sum().backward()
+    assert hidden.grad is not None and weight.grad is not None
