@@ -81,18 +81,19 @@ def memory_at_peak(one_step, top: int) -> str:
         events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    live, peak_live, total, peak, peak_at = {}, {}, 0, 0, 0
-    for index, event in enumerate(events):
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-            total += event["size"]
-        elif event["action"] == "free_completed" and event["addr"] in live:
-            total -= live.pop(event["addr"])["size"]
+    peak, peak_at = 0, 0
+    live: dict = {}
+    total = 0
+    for index, event in enumerate(events):  # first pass: where the total peaks
+        total += _replay(live, event)
         if total > peak:
-            peak, peak_at, peak_live = total, index, dict(live)
+            peak, peak_at = total, index
+    live = {}
+    for event in events[: peak_at + 1]:  # second pass: what is live there (no copy at every new peak)
+        _replay(live, event)
     by_line: Counter = Counter()
     count: Counter = Counter()
-    for event in peak_live.values():
+    for event in live.values():
         label = allocation_site(event.get("frames", []))
         by_line[label] += event["size"]
         count[label] += 1
@@ -103,6 +104,17 @@ def memory_at_peak(one_step, top: int) -> str:
     ]
     rows += [f"| {size / 2**20:.0f} | {count[label]} | {label} |" for label, size in by_line.most_common(top)]
     return "\n".join(rows)
+
+
+def _replay(live: dict, event: dict) -> int:
+    """Apply one allocator event to ``live`` (address → its alloc event); the change in bytes allocated. Frees of
+    blocks from before the recording are not in ``live`` and change nothing."""
+    if event["action"] == "alloc":
+        live[event["addr"]] = event
+        return event["size"]
+    if event["action"] == "free_completed" and event["addr"] in live:
+        return -live.pop(event["addr"])["size"]
+    return 0
 
 
 def allocation_site(frames: list[dict]) -> str:

@@ -17,7 +17,7 @@ reached, and the backward costs nothing beyond the loss's own gradient.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ class Operand:
     dtype: torch.dtype | None = None
     transposed: bool = False
 
-    def value(self, inputs: Sequence[Any] | Mapping[int, Any], outputs: Sequence[Any]) -> torch.Tensor:
+    def value(self, inputs: Sequence[Any], outputs: Sequence[Any]) -> torch.Tensor:
         """The tensor itself: a graph input as it came in (``as_seen`` makes it what the op saw)."""
         return outputs[self.index] if self.kind == "output" else inputs[self.index]
 
@@ -137,7 +137,7 @@ def attach(compiled: Callable, entries: Sequence[ReturnedLogits], extra_outputs:
     if not entries:
         return compiled
 
-    def finish(inputs: Sequence[Any] | Mapping[int, Any], outputs: Sequence[Any]) -> list[Any]:
+    def finish(inputs: Sequence[Any], outputs: Sequence[Any]) -> list[Any]:
         outputs = list(outputs)
         if torch.is_grad_enabled():
             for entry in entries:
