@@ -11,11 +11,14 @@ the fastest become the defaults in ``lowerings/cce/kernels.py``.
 ``--rowwise`` sweeps the row-wise op's rows per chunk instead: forward + backward time and peak of the whole op
 per chunk size, and one chunk's parts (logits GEMM, chunk kernel, ∂E GEMM, ∂C GEMM into the fp32
 accumulator), against 6·N·D·V at cuBLAS's square-GEMM rate. The best becomes ``rowwise.CHUNK_BYTES``.
+``--profile`` then lists the device time of every kernel in three steps of the op at its own chunking, beside
+torch.compile's linear + cross-entropy: where the whole op's time goes beyond the sum of its parts.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -56,9 +59,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--rowwise", action="store_true", help="sweep the row-wise op's rows per chunk")
     parser.add_argument("--rows", default="512,1024,2048,4096", help="rows per chunk for --rowwise")
+    parser.add_argument("--profile", action="store_true", help="with --rowwise: kernel times, op against torch.compile")
     args = parser.parse_args(argv)
     if args.rowwise:
-        return _rowwise_sweep(args.tokens, args.vocab, args.dim, [int(r) for r in args.rows.split(",")])
+        rows = [int(r) for r in args.rows.split(",")] if args.rows else []
+        _rowwise_sweep(args.tokens, args.vocab, args.dim, rows)
+        if args.profile:
+            _rowwise_profile(args.tokens, args.vocab, args.dim)
+        return None
     n, v, d, chunk = args.tokens, args.vocab, args.dim, args.chunk
     e = (torch.randn(n, d, device="cuda") / d**0.25).bfloat16()
     c = (torch.randn(v, d, device="cuda") / d**0.25).bfloat16()
@@ -147,6 +155,40 @@ def _rowwise_sweep(n: int, v: int, d: int, chunk_rows: list[int]) -> None:
         except Exception as error:  # an allocation too large for the device must not end the sweep
             print(f"rows {rows}: failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}", flush=True)
     rowwise.chunk_rows = original
+
+
+def _rowwise_profile(n: int, v: int, d: int, steps: int = 3) -> None:
+    """Kernel device times of ``steps`` forward + backward steps: the row-wise op, then torch.compile's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    e = (torch.randn(n, d, device="cuda") / d**0.25).bfloat16().requires_grad_()
+    c = (torch.randn(v, d, device="cuda") / d**0.25).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+
+    def compiled_loss(e, c, t):
+        return torch.nn.functional.cross_entropy((e @ c.t()).float(), t)
+
+    losses = {
+        "memopt (op) row-wise": lambda: torch.ops.memopt.cce_rowwise(
+            e, c, None, t, -100, "mean", 0.0, None, True, True, False
+        )[0],
+        "torch.compile": functools.partial(torch.compile(compiled_loss), e, c, t),
+    }
+    for name, loss_fn in losses.items():
+
+        def step(loss_fn=loss_fn):
+            loss_fn().backward()
+            e.grad = c.grad = None
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=70)
+        print(f"## {name}: {steps} steps, {_bench(step):.2f} ms a step\n{table}", flush=True)
 
 
 def _rowwise_chunk_parts(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> dict[str, float]:

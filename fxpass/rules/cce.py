@@ -602,7 +602,7 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     }
     device = assumed_device(hidden.device, assume_device)
     if variant == "rowwise":
-        after = rowwise.working_set(rows, vocab, dim, dtype, device, _needs(candidate))
+        after = rowwise.working_set(rows, vocab, dim, dtype, device, _needs(candidate), candidate.returns_logits)
     else:
         after = working_set(rows, vocab, dim, dtype, device)
     # A caller that drops the returned logits (``.loss``, the Trainer) frees them before the backward, where

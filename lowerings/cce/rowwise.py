@@ -44,6 +44,12 @@ SCALAR_REDUCTIONS = ("mean", "sum")
 # (larger on CUDA, where GEMMs want a few hundred rows), and is at least one row.
 FRACTION = 4
 CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
+# Where the op returns the logits, a chunk's buffer is held beside all of them rather than in their place, at the
+# forward's end where every activation is alive: 1/RETURNED_FRACTION of the logits, but at least
+# MIN_GEMM_ROWS rows on CUDA (fewer make ∂C's fp32 accumulation bound by memory: each chunk reads and writes ∂C, and
+# a chunk of r rows does r/4 FLOPs a byte of it, against the H200's ~170 FLOPs a byte at cuBLAS's rate).
+RETURNED_FRACTION = 16
+MIN_GEMM_ROWS = 1024
 
 
 ROW_VECTOR_BYTES = 128  # a row's share of the chunk's per-row vectors (loss terms, max, sum, index, validity)
@@ -64,10 +70,15 @@ def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
     return padded_vocab(vocab) * dtype.itemsize + copy + ROW_VECTOR_BYTES
 
 
-def chunk_rows(n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False):
+def chunk_rows(
+    n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False, returns_logits: bool = False
+):
     """Rows per chunk (SymInts give a symbolic answer)."""
-    share = torch.sym_min(n_rows * vocab * dtype.itemsize // FRACTION, CHUNK_BYTES.get(device_type, 32 << 20))
+    fraction = RETURNED_FRACTION if returns_logits else FRACTION
+    share = torch.sym_min(n_rows * vocab * dtype.itemsize // fraction, CHUNK_BYTES.get(device_type, 32 << 20))
     fits = share // chunk_bytes_per_row(vocab, dtype, in_place)
+    if returns_logits and device_type == "cuda":
+        fits = torch.sym_max(fits, MIN_GEMM_ROWS)
     # a multiple of ROW_ALIGN where that leaves any: ∂C's GEMM sums over the chunk's rows
     aligned = torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, torch.sym_min(fits, ROW_ALIGN - 1))
     return torch.sym_max(1, torch.sym_min(n_rows, aligned))
@@ -99,12 +110,21 @@ def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bo
         acc.copy_(a @ b) if first else acc.add_(a @ b)
 
 
-def working_set(n_rows, vocab, dim, dtype: torch.dtype, device: torch.device, needs=(True, True, False)):
-    """Bytes the op keeps beyond its inputs and the loss, by name, for the rule's memory model."""
+def working_set(
+    n_rows,
+    vocab,
+    dim,
+    dtype: torch.dtype,
+    device: torch.device,
+    needs=(True, True, False),
+    returns_logits: bool = False,
+):
+    """Bytes the op keeps beyond its inputs and the loss (and the logits it returns), by name, for the rule's
+    memory model."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
     in_place = _kernel_serves(device.type, dtype, bias_grad=need_bias)
-    rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place)
+    rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits)
     terms: dict[str, object] = {}
     if in_place:
         terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
@@ -207,7 +227,7 @@ def cce_rowwise(
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
     fused = _kernel_serves(hidden.device.type, hidden.dtype, bias_grad=bool(grad_bias.numel()))
-    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused))
+    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused, return_logits))
     all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
     chunk_buffer = None
     if all_logits is not None and n_rows:  # one chunk's gradient at a time; its padding columns stay zero
