@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import torch
 
-from lowerings._library import HAS_TRITON, reference_op
+from lowerings._library import HAS_TRITON, reference_op, tracing
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs
 
 if HAS_TRITON:
-    from lowerings.cce.rowwise_kernel import row_gradient_
+    from lowerings.cce.rowwise_kernel import row_gradient_, scaled_copy
 
 SCALAR_REDUCTIONS = ("mean", "sum")
 # A chunk of rows holds its logits and their fp32 copy within 1/FRACTION of the N×V logits (4: each chunk adds
@@ -77,11 +77,16 @@ def chunk_rows(
     fraction = RETURNED_FRACTION if returns_logits else FRACTION
     share = torch.sym_min(n_rows * vocab * dtype.itemsize // fraction, CHUNK_BYTES.get(device_type, 32 << 20))
     fits = share // chunk_bytes_per_row(vocab, dtype, in_place)
-    if returns_logits and device_type == "cuda":
-        fits = torch.sym_max(fits, MIN_GEMM_ROWS)
+    if returns_logits and device_type == "cuda":  # (a power of two, so usually a divisor of the rows as it is)
+        return torch.sym_max(1, torch.sym_min(n_rows, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, MIN_GEMM_ROWS)))
     # a multiple of ROW_ALIGN where that leaves any: ∂C's GEMM sums over the chunk's rows
-    aligned = torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, torch.sym_min(fits, ROW_ALIGN - 1))
-    return torch.sym_max(1, torch.sym_min(n_rows, aligned))
+    aligned = torch.sym_max(1, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, torch.sym_min(fits, ROW_ALIGN - 1)))
+    # Chunks of equal size, each at most 1/4 over the share: 8192 rows in 1984-row chunks left a 256-row tail
+    # whose GEMMs ran at a third of the rate, and a fifth pass over the fp32 ∂C (4 × 2048 rows instead).
+    chunks = -(-n_rows // (aligned * 5 // 4 + 1))
+    unit = torch.sym_max(1, torch.sym_min(ROW_ALIGN, aligned // ROW_ALIGN * ROW_ALIGN))
+    balanced = -(-(-(-n_rows // torch.sym_max(1, chunks))) // unit) * unit
+    return torch.sym_max(1, torch.sym_min(n_rows, balanced))
 
 
 def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> bool:
@@ -281,6 +286,9 @@ def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, s
 
 def _setup_context(ctx, inputs, output) -> None:
     hidden, weight, bias = inputs[:3]
+    # The outputs past the loss carry no gradient: without this autograd would fill zeros of their size for the
+    # backward, ∂C's fp32 [V, D] among them (1 GiB at V = 128256) when the op runs eagerly.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[1:4])
     ctx.mark_non_differentiable(*output[1:])
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -289,13 +297,18 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _scaled(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saved · grad_loss`` rounded once to ``dtype``, in one pass (an fp32 product then a cast would write
-    and read ∂C's fp32 size once more: 1 GiB at V = 128256, D = 2048)."""
+    and read ∂C's fp32 size once more: 1 GiB at V = 128256, D = 2048). Traced, Inductor fuses it; run eagerly
+    on CUDA, a Triton kernel does (``rowwise_kernel.scaled_copy``)."""
+    if HAS_TRITON and saved.is_cuda and saved.is_contiguous() and not tracing():
+        return scaled_copy(saved, grad_loss.reshape(()), dtype)
     return torch.mul(saved, grad_loss, out=saved.new_empty(saved.shape, dtype=dtype))
 
 
 def _backward(ctx, grad_loss, *_):
     """The upstream scalar times the gradients the forward took; nothing else is computed."""
     grads = []
+    if grad_loss is None:  # (gradients are not materialized: an output other than the loss was differentiated)
+        return (None,) * 12
     names = ("hidden", "weight", "bias")
     for name, saved, dtype, taken, needed in zip(
         names, ctx.saved_tensors, ctx.dtypes, ctx.needs, ctx.needs_input_grad[:3], strict=True

@@ -139,7 +139,8 @@ def test_working_set_charges_the_saved_gradients():
     assert rowwise.padded_vocab(50000) == padded and rowwise.padded_vocab(50048) == padded
     if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place: 2 B a logit
         rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
-        assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors) // 64 * 64
+        share = 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors)
+        assert rows % 64 == 0 and share // 2 < rows <= share * 5 // 4 + 64
         in_place = "transient: one chunk of logits, turned into their gradient in place [rows, V]"
         assert chunk == {in_place: rows * (padded * 2 + row_vectors)}
     product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
@@ -147,9 +148,31 @@ def test_working_set_charges_the_saved_gradients():
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
     per_row = padded * 2 + 50000 * 4 + row_vectors  # padded bf16 logits and their fp32 copy
-    assert rows == 1024 * 50000 * 2 // rowwise.FRACTION // per_row // 64 * 64
+    share = 1024 * 50000 * 2 // rowwise.FRACTION // per_row
+    assert rows % 64 == 0 and share // 2 < rows <= share * 5 // 4 + 64
     assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
+
+
+@pytest.mark.parametrize(("n_rows", "vocab", "rows"), [(8192, 128256, 2048), (16384, 50257, 4096), (8192, 256000, 1216)])
+def test_chunks_are_balanced(n_rows, vocab, rows):
+    """Chunks of about equal size within 1/4 over the share, so that no small tail chunk runs its GEMMs slowly
+    (8192 rows at V = 128256 were 4 × 1984 + 256 rows)."""
+    assert rowwise.chunk_rows(n_rows, vocab, torch.bfloat16, "cuda", in_place=True) == rows
+    chunks = -(-n_rows // rows)
+    assert n_rows - (chunks - 1) * rows >= rows // 2
+
+
+def test_chunk_beside_returned_logits_is_small():
+    """Returning its logits, the op holds a chunk beside all of them: 1/16 of them, but at least the rows that
+    keep ∂C's GEMM compute-bound (on CUDA); on CPU no floor."""
+    for n_rows, vocab in [(16384, 50257), (8192, 128256)]:
+        rows = rowwise.chunk_rows(n_rows, vocab, torch.bfloat16, "cuda", True, returns_logits=True)
+        assert rows == rowwise.MIN_GEMM_ROWS
+        assert rows < rowwise.chunk_rows(n_rows, vocab, torch.bfloat16, "cuda", True)
+    assert rowwise.chunk_rows(100, 1000, torch.bfloat16, "cuda", True, returns_logits=True) == 100
+    cpu = rowwise.chunk_rows(16384, 50257, torch.float32, "cpu", returns_logits=True)
+    assert cpu <= rowwise.chunk_rows(16384, 50257, torch.float32, "cpu")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

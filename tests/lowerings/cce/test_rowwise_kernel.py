@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowerings.cce import rowwise
-from lowerings.cce.rowwise_kernel import row_gradient_
+from lowerings.cce import rowwise, rowwise_kernel
+from lowerings.cce.rowwise_kernel import row_gradient_, scaled_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -25,10 +25,14 @@ def _targets(rows=5, vocab=300, ignored=(1,)):
     return targets.to(DEVICE)
 
 
+@pytest.mark.parametrize("programs", [None, 2])
 @pytest.mark.parametrize("softcap", [None, 7.5])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_matches_float64_cross_entropy(label_smoothing, softcap):
-    """Loss terms and gradient (scaled, 0 on ignored rows) equal float64 autograd of PyTorch's cross-entropy."""
+def test_matches_float64_cross_entropy(monkeypatch, label_smoothing, softcap, programs):
+    """Loss terms and gradient (scaled, 0 on ignored rows) equal float64 autograd of PyTorch's cross-entropy,
+    with one program per row or fewer programs each walking several rows."""
+    if programs is not None:
+        monkeypatch.setattr(rowwise_kernel, "programs", lambda rows, device: min(rows, programs))
     logits, targets = _logits(), _targets()
     x = logits.double().requires_grad_()
     z = softcap * torch.tanh(x / softcap) if softcap else x
@@ -58,3 +62,17 @@ def test_every_row_ignored_and_an_empty_chunk():
     assert torch.all(losses == 0) and torch.all(work == 0)
     empty = torch.empty(0, 300, device=DEVICE)
     assert row_gradient_(empty, targets[:0], -100, 0.0, None, torch.ones(1, device=DEVICE)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaled_copy_rounds_once(dtype):
+    """The backward's scale-and-cast of a saved fp32 gradient equals PyTorch's: the fp32 product rounded once."""
+    source = _logits(rows=3, vocab=1500)  # 4500 elements: two blocks, the second ragged
+    scale = torch.tensor(0.375, device=DEVICE)
+    expected = torch.mul(source, scale, out=torch.empty(source.shape, dtype=dtype, device=DEVICE))
+    ours = scaled_copy(source, scale, dtype)
+    if DEVICE == "cpu" and dtype == torch.bfloat16:  # Triton's interpreter truncates to bf16; the GPU rounds
+        torch.testing.assert_close(ours, expected, rtol=torch.finfo(dtype).eps, atol=0)
+    else:
+        assert torch.equal(ours, expected)
+    assert scaled_copy(source[:0], scale, dtype).shape == (0, 1500)
