@@ -85,7 +85,8 @@ def chunk_rows(
     # whose GEMMs ran at a third of the rate, and a fifth pass over the fp32 ∂C (4 × 2048 rows instead).
     chunks = -(-n_rows // (aligned * 5 // 4 + 1))
     unit = torch.sym_max(1, torch.sym_min(ROW_ALIGN, aligned // ROW_ALIGN * ROW_ALIGN))
-    balanced = -(-(-(-n_rows // torch.sym_max(1, chunks))) // unit) * unit
+    even = -(-n_rows // torch.sym_max(1, chunks))  # ceil(rows / chunks)
+    balanced = -(-even // unit) * unit
     return torch.sym_max(1, torch.sym_min(n_rows, balanced))
 
 
