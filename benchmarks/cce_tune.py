@@ -194,24 +194,17 @@ def _rowwise_profile(n: int, v: int, d: int, steps: int = 3) -> None:
 def _rowwise_chunk_parts(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> dict[str, float]:
     """Milliseconds of one chunk's steps in the row-wise op, for the chunk of rows ``e``, on the classifier
     padded as the op pads it (``rowwise.padded_vocab``)."""
-    from lowerings.cce import rowwise, rowwise_kernel
+    from lowerings.cce import rowwise
 
-    default_programs = rowwise_kernel.PROGRAMS_PER_SM
     vocab = c.shape[0]
     c = rowwise._padded_rows(c, rowwise.padded_vocab(vocab))
     padded = rowwise._chunk_logits(e, c, None)
     logits = padded[:, :vocab]
     acc = torch.empty(c.shape, device="cuda", dtype=torch.float32)
     one = torch.ones((), device="cuda")
-    kernel_times = {}
-    for per_sm in (None, 1, 2, 4, 8):  # one program per row, or a few per SM walking the rows
-        rowwise_kernel.PROGRAMS_PER_SM = per_sm
-        name = "chunk kernel" + ("" if per_sm is None else f" ({per_sm} programs/SM)")
-        kernel_times[name] = _bench(lambda: rowwise.row_gradient_(logits, t, -100, 0.0, None, one))
-    rowwise_kernel.PROGRAMS_PER_SM = default_programs
     return {
         "logits GEMM": _bench(lambda: torch.mm(e, c.t(), out=padded)),
-        **kernel_times,
+        "chunk kernel": _bench(lambda: rowwise.row_gradient_(logits, t, -100, 0.0, None, one)),
         "dE GEMM": _bench(lambda: torch.mm(padded, c)),
         "dC GEMM (first)": _bench(lambda: torch.mm(padded.t(), e, out_dtype=torch.float32, out=acc)),
         "dC GEMM (+= fp32)": _bench(lambda: torch.addmm(acc, padded.t(), e, out_dtype=torch.float32, out=acc)),

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowerings.cce import rowwise, rowwise_kernel
+from lowerings.cce import rowwise
 from lowerings.cce.rowwise_kernel import row_gradient_, scaled_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,14 +25,10 @@ def _targets(rows=5, vocab=300, ignored=(1,)):
     return targets.to(DEVICE)
 
 
-@pytest.mark.parametrize("programs", [None, 2])
 @pytest.mark.parametrize("softcap", [None, 7.5])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_matches_float64_cross_entropy(monkeypatch, label_smoothing, softcap, programs):
-    """Loss terms and gradient (scaled, 0 on ignored rows) equal float64 autograd of PyTorch's cross-entropy,
-    with one program per row or fewer programs each walking several rows."""
-    if programs is not None:
-        monkeypatch.setattr(rowwise_kernel, "programs", lambda rows, device: min(rows, programs))
+def test_matches_float64_cross_entropy(label_smoothing, softcap):
+    """Loss terms and gradient (scaled, 0 on ignored rows) equal float64 autograd of PyTorch's cross-entropy."""
     logits, targets = _logits(), _targets()
     x = logits.double().requires_grad_()
     z = softcap * torch.tanh(x / softcap) if softcap else x
