@@ -500,6 +500,11 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
             "logits computed once and returned, gradients taken from them in the forward (6·N·D·V FLOPs); "
             "their own gradient is added outside the graph only if the caller uses them"
         )
+    elif _wrapper_carries_logits(candidate):
+        what = (
+            "logits computed once and returned, never saved for backward; their own gradient is added outside "
+            "the graph only if the caller uses them"
+        )
     elif candidate.returns_logits:
         what = "logits computed once and returned, never saved for backward"
     elif variant == "rowwise":
@@ -544,6 +549,12 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     figures = f"the row-wise variant frees {shapes.format_bytes(shapes.hint(rowwise))} of the chunked one's " \
         f"{shapes.format_bytes(shapes.hint(chunked))}"
     return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
+
+
+def _wrapper_carries_logits(candidate: CceMatch) -> bool:
+    """Whether the returned logits leave the graph without a gradient, which the backend's wrapper re-attaches
+    (``fxpass/returned_logits.py``): the graph only returns them, the backend wraps it, and a backward exists."""
+    return candidate.returns_logits and bool(candidate.returned_positions) and any(_needs(candidate))
 
 
 def _rowwise_blocker(candidate: CceMatch, config: Config) -> str | None:
@@ -613,6 +624,9 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     if candidate.returns_logits and variant == "rowwise":  # gradients taken from the logits it returns
         padded = rows * rowwise.padded_vocab(vocab) * dtype.itemsize
         after["returned: the logits [N, V] (rows padded to 64); no gradient of theirs enters the graph"] = padded
+    if candidate.returns_logits and variant != "rowwise" and _wrapper_carries_logits(candidate):
+        after["returned: the logits [N, V]; no gradient of theirs enters the graph"] = returned
+    if candidate.returns_logits and (variant == "rowwise" or _wrapper_carries_logits(candidate)):
         # the operands handed back to the wrapper get autograd's zeros when the logits go unused
         after["transient (backward): zero gradients of the hidden states returned for the logits' own"] = (
             rows * dim * dtype.itemsize
@@ -668,7 +682,8 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
         if candidate.returns_logits and rowwise:  # the op returns the logits too (their gradient: the wrapper)
             fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), True)
         elif candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
-            fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments)
+            detach = _wrapper_carries_logits(candidate)  # their gradient (the wrapper's) never enters the graph
+            fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments, detach)
         elif rowwise:
             fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate))
         else:
@@ -689,7 +704,7 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
     transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
     erase_unused([*candidate.nodes, *transposes])
-    if candidate.returns_logits and rowwise:
+    if candidate.returns_logits and (rowwise or _wrapper_carries_logits(candidate)):
         _return_operands(graph, candidate, hidden, weight, bias)
 
 

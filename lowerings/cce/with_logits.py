@@ -14,10 +14,13 @@ The backward is ``memopt.cce_backward``: it recomputes logit chunks rounded as t
 to each chunk before the two GEMMs. When the logits were not used, autograd hands it zeros (it materializes a
 gradient for every differentiable output); the sum is then exact and costs one read, never a GEMM.
 
-Where the graph only returns the logits and the backend wraps it, CUDA takes ``memopt.cce_rowwise`` with
-``return_logits`` instead (6·N·D·V, no zero tangent; ``fxpass/returned_logits.py``). This op serves the rest:
-CPU, logits that another op of the graph reads, ``reduction="none"``, z-loss terms and graphs run without a
-backward.
+``detach_logits``: where the graph only returns the logits and the backend wraps it, the returned logits carry
+no gradient inside the graph (as ``memopt.cce_rowwise``'s do) and ``fxpass/returned_logits.py`` re-attaches
+theirs outside it. Logits the caller drops then cost no N×V zeros in the backward, and the forward keeps
+nothing beyond the log-sum-exp: the lowest peak of the variants, for 8·N·D·V FLOPs (CPU, and
+``cce_variant="chunked"`` on CUDA, where "auto" takes ``memopt.cce_rowwise`` with ``return_logits``). Without
+it this op serves logits that another op of the graph reads, ``reduction="none"``, z-loss terms and graphs run
+without a backward.
 
 CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
 logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
@@ -84,6 +87,7 @@ def cce_with_logits(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    detach_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
     targets = targets.long()
@@ -96,9 +100,18 @@ def cce_with_logits(
     return _reduce(losses, targets != ignore_index, reduction), lse, logits
 
 
+def _setup_context(ctx, inputs, output) -> None:
+    save_for_backward(ctx, inputs, output)
+    if inputs[8]:  # detach_logits: their gradient, if any, is added outside the graph
+        ctx.mark_non_differentiable(output[2])
+    # Gradients an output did not receive arrive as None rather than as zeros of its size (N×V for the logits).
+    ctx.set_materialize_grads(False)
+
+
 def _backward(ctx, grad_loss, grad_lse, grad_logits):
-    # grad_logits may be autograd's zeros for logits the caller dropped: added once per chunk, it costs no GEMM.
-    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, True), None, None, None, None, None)
+    # grad_logits: None, or (traced) a tangent that may be zeros for logits the caller dropped: added once per
+    # chunk, it costs no GEMM.
+    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, True), None, None, None, None, None, None)
 
 
-cce_with_logits.register_autograd(_backward, setup_context=save_for_backward)
+cce_with_logits.register_autograd(_backward, setup_context=_setup_context)

@@ -346,7 +346,9 @@ def _z_loss(logits):
 
 
 class TestReturnedLogits(TestCase):
-    """A graph that returns its logits beside the loss (a whole model compiled) gets ``cce_with_logits``."""
+    """A graph that returns its logits beside the loss (a whole model compiled) gets ``cce_with_logits``; where
+    the graph only returns them and the backend wraps it, with the logits detached and their operands returned
+    for the wrapper, which re-attaches their gradient (the z-loss second loss checks it)."""
 
     def test_returned_logits_and_their_gradient(self):
         weight, _ = _params()
@@ -366,11 +368,11 @@ class GraphModule(torch.nn.Module):
         l_t_ = L_t_
         view_1: "i64[6]cpu" = l_t_.view(-1);  l_t_ = None
         reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
-        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None);  reshape = l_weight_ = view_1 = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None, True);  l_weight_ = view_1 = None
         getitem: "f32[]cpu" = cce_with_logits_default[0]
         getitem_1: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
         view_2: "f32[2, 3, 40]cpu" = getitem_1.view(2, 3, -1);  getitem_1 = None
-        return (view_2, getitem)""")
+        return (view_2, getitem, reshape)""")
 
     def test_rowwise_returns_the_logits_and_hands_back_their_operands(self):
         """``cce_variant='rowwise'`` (the CUDA default for returned logits): the op returns the logits, not

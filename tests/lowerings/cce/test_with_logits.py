@@ -102,6 +102,40 @@ def test_saves_nothing_logits_sized():
     assert sorted(saved) == sorted([(N, D), (V, D), (V,), (N,), (N,)]), saved  # h, w, b, targets, lse
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_detached_logits_carry_no_gradient_and_the_loss_is_unchanged(reduction):
+    """``detach_logits`` (the whole-model path whose wrapper re-attaches the logits' gradient): the logits do not
+    require a gradient, and the loss and its gradients are those of the differentiable op."""
+    leaves, targets = _inputs(torch.float64, bias=True)
+    h, w, b = leaves
+    loss, _, logits = torch.ops.memopt.cce_with_logits(h, w, b, targets, -100, reduction, 0.1, 3.0, True)
+    expected_loss, expected_logits = _ours(leaves, targets, reduction, 0.1, 3.0)
+    assert not logits.requires_grad and expected_logits.requires_grad
+    torch.testing.assert_close(logits, expected_logits.detach(), **FP64)
+    torch.testing.assert_close(loss, expected_loss, **FP64)
+    actual = torch.autograd.grad(_total(loss, logits, None), leaves)
+    expected = torch.autograd.grad(_total(expected_loss, expected_logits, None), leaves)
+    assert_close_all(actual, expected, **FP64)
+
+
+def test_no_zeros_are_filled_for_dropped_logits():
+    """Called eagerly with its logits unused, the op's backward gets no N×V zeros for them: autograd does not
+    materialize the gradients of outputs that received none."""
+    leaves, targets = _inputs(torch.float32, bias=False)
+    loss, _ = _ours(leaves, targets, "mean", 0.0, None)
+    handed: list[object] = []
+    original = torch.ops.memopt.cce_backward
+
+    def recording(*args):
+        handed.append(args[15])  # grad_logits
+        return original(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.ops.memopt, "cce_backward", recording)
+        loss.backward()
+    assert handed == [None]
+
+
 def test_out_of_range_target_raises():
     leaves, targets = _inputs(torch.float32, bias=False)
     targets[3] = V
