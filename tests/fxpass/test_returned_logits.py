@@ -95,3 +95,37 @@ def test_modifying_the_returned_logits_in_place_raises():
     logits, _ = _graph_like(hidden, weight)(hidden, weight)
     (logits * 2.0).sum().backward()
     assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("variant", ["chunked", "rowwise"])
+def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant):
+    """A whole model compiled as it is returns its logits; a caller that drops them (``.loss``, the Trainer) must
+    not pay for them in the backward. Before the wrapper served ``cce_with_logits`` too, autograd handed that op
+    [N, V] zeros for the dropped logits; now no allocation of the backward is logits-sized, under either op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import fxpass
+    from benchmarks._common import allocation_events
+
+    rows, vocab, dim = 64, 4096, 8
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, dim, generator=gen).requires_grad_()
+    hidden = torch.randn(rows, dim, generator=gen).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+
+    def model(h, t):
+        logits = F.linear(h, weight)
+        return logits, F.cross_entropy(logits, t)
+
+    options = {"strict": True, "force": True, "cce_variant": variant, "inner_compiler": "aot_eager"}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxpass.MemoptBackend(options=options), fullgraph=True)
+    loss = compiled(hidden, targets)[1]  # the logits are dropped here, as ``model(...).loss`` drops them
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    largest = max(size for _, _, size in allocation_events(prof))
+    assert largest < rows * vocab * 4, largest
+    expected_hidden, expected_weight = torch.autograd.grad(F.cross_entropy(hidden @ weight.t(), targets),
+                                                           (hidden, weight))
+    torch.testing.assert_close(hidden.grad, expected_hidden)
+    torch.testing.assert_close(weight.grad, expected_weight)
