@@ -621,12 +621,13 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     returned_then_gradient = "returned: the logits [N, V] (forward), then their gradient, zeros if unused (backward)"
     if candidate.returns_logits:
         before[returned_then_gradient] = returned
-    if candidate.returns_logits and variant == "rowwise":  # gradients taken from the logits it returns
+    # (the row-wise op serves returned logits only where the wrapper carries their gradient: _rowwise_blocker)
+    if _wrapper_carries_logits(candidate) and variant == "rowwise":  # gradients taken from the logits it returns
         padded = rows * rowwise.padded_vocab(vocab) * dtype.itemsize
         after["returned: the logits [N, V] (rows padded to 64); no gradient of theirs enters the graph"] = padded
-    if candidate.returns_logits and variant != "rowwise" and _wrapper_carries_logits(candidate):
+    elif _wrapper_carries_logits(candidate):
         after["returned: the logits [N, V]; no gradient of theirs enters the graph"] = returned
-    if candidate.returns_logits and (variant == "rowwise" or _wrapper_carries_logits(candidate)):
+    if _wrapper_carries_logits(candidate):
         # the operands handed back to the wrapper get autograd's zeros when the logits go unused
         after["transient (backward): zero gradients of the hidden states returned for the logits' own"] = (
             rows * dim * dtype.itemsize
@@ -704,7 +705,7 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
     transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
     erase_unused([*candidate.nodes, *transposes])
-    if candidate.returns_logits and (rowwise or _wrapper_carries_logits(candidate)):
+    if _wrapper_carries_logits(candidate):  # (the row-wise op returns logits only then: _rowwise_blocker)
         _return_operands(graph, candidate, hidden, weight, bias)
 
 

@@ -307,9 +307,9 @@ def _scaled(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) ->
 
 def _backward(ctx, grad_loss, *_):
     """The upstream scalar times the gradients the forward took; nothing else is computed."""
-    grads = []
     if grad_loss is None:  # (gradients are not materialized: an output other than the loss was differentiated)
         return (None,) * 12
+    grads = []
     names = ("hidden", "weight", "bias")
     for name, saved, dtype, taken, needed in zip(
         names, ctx.saved_tensors, ctx.dtypes, ctx.needs, ctx.needs_input_grad[:3], strict=True

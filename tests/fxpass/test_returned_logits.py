@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
+import fxpass
+from benchmarks._common import allocation_events
 from fxpass import returned_logits
 from fxpass.returned_logits import LogitsGradient, Operand, ReturnedLogits
 
@@ -102,11 +105,6 @@ def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant)
     """A whole model compiled as it is returns its logits; a caller that drops them (``.loss``, the Trainer) must
     not pay for them in the backward. Before the wrapper served ``cce_with_logits`` too, autograd handed that op
     [N, V] zeros for the dropped logits; now no allocation of the backward is logits-sized, under either op."""
-    from torch.profiler import ProfilerActivity, profile
-
-    import fxpass
-    from benchmarks._common import allocation_events
-
     rows, vocab, dim = 64, 4096, 8
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, dim, generator=gen).requires_grad_()
