@@ -81,7 +81,9 @@ def torch_eager(e, c, t):
 
 
 def _rowwise(e, c, t):
-    """``memopt.cce_rowwise``: the gradients taken during the forward (6·N·D·V FLOPs)."""
+    """``memopt.cce_rowwise``: the gradients taken during the forward (6·N·D·V FLOPs). An fp32 classifier goes
+    in as the graph rewrite hands it over under autocast."""
+    c = c.to(e.dtype)
     return torch.ops.memopt.cce_rowwise(e, c, None, t, -100, "mean", 0.0, None, True, True, False)[0]
 
 
@@ -176,9 +178,12 @@ def measure(fn: LossFn, e, c, t, kind: str, ref, warmup_ms: int, rep_ms: int) ->
 
     e = e.detach().requires_grad_()
     c = c.detach().requires_grad_()
+    # fp32 classifier beside 16-bit hidden states: the fine-tuning setup, bf16 autocast over fp32 weights
+    autocast = torch.autocast("cuda", e.dtype, enabled=c.dtype != e.dtype)
 
     def run():
-        loss = fn(e, c, t)
+        with autocast:
+            loss = fn(e, c, t)
         if kind == "loss":
             return (loss,)
         return (loss, *torch.autograd.grad(loss, [e, c]))
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--sweep", default="1024,4096,16384,65536", help="token counts; empty to skip")
     parser.add_argument("--no-sweep", dest="sweep", action="store_const", const="")
     parser.add_argument("--sweep-methods", default="torch.compile,memopt (op),apple cce,liger")
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "fp32"],
+                        help="the classifier's dtype; fp32 runs every method under bf16 autocast")
     parser.add_argument("--warmup-ms", type=int, default=100)
     parser.add_argument("--rep-ms", type=int, default=400)
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
@@ -313,6 +320,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
         gen.manual_seed(0)
         make = lm_data if regime == "lm" else uniform_data
         e, c, t = make(args.tokens, args.vocab, args.dim, torch.bfloat16, gen)
+        c = c.float() if args.weights == "fp32" else c  # the same values, held in fp32
         ref_loss, ref_e, ref_c, entropy = reference(e, c, t)
         stats[regime] = {"loss": ref_loss.item(), "entropy": entropy}
         log.info("%s data: loss %.3f nats, entropy %.3f nats", regime, ref_loss.item(), entropy)
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     header = (
         f"CCE benchmark, {time.strftime('%Y-%m-%d')}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
         f"cut-cross-entropy {env['cut_cross_entropy']}, liger-kernel {env['liger_kernel']}; "
-        f"N={args.tokens} V={args.vocab} D={args.dim} bf16; data {json.dumps(stats)}"
+        f"N={args.tokens} V={args.vocab} D={args.dim} bf16, {args.weights} classifier; data {json.dumps(stats)}"
     )
     text = markdown(results, header) + "\n\n" + markdown(sweep, "N sweep (uniform data, loss+grad)")
     payload = {"environment": env, "args": vars(args) | {"out": str(args.out)}, "data": stats,
