@@ -39,6 +39,32 @@ def _gather_rows_kernel(X, Index, Weight, Out, n_cols, stride_row, BLOCK: tl.con
         tl.store(dst + cols, (values * scale).to(Out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _row_scores_kernel(
+    X, Estimate, Out, n_rows, n_cols, stride_row, period, floor,
+    N_POSITIONS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # ĝ's fallback, the mean of the positions seen (values > 0), or 1 before any: every program reduces the
+    # estimate itself (16 KiB from L2) rather than wait on a separate launch.
+    values = tl.load(Estimate + tl.arange(0, N_POSITIONS))
+    seen = tl.sum((values > 0).to(tl.float32), axis=0)
+    mean = tl.where(seen > 0, tl.sum(values, axis=0) / tl.maximum(seen, 1.0), 1.0)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_rows = rows < n_rows
+    base = X + rows.to(tl.int64)[:, None] * stride_row
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = in_rows[:, None] & (cols < n_cols)[None, :]
+        x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += x * x
+    norms = tl.sqrt(tl.sum(acc, axis=1))
+    positions = tl.minimum(rows % period, N_POSITIONS - 1)
+    estimate = tl.load(Estimate + positions, mask=in_rows, other=1.0)
+    estimate = tl.maximum(tl.where(estimate > 0, estimate, mean), floor * mean)
+    tl.store(Out + rows, norms * estimate, mask=in_rows)
+
+
 def _block(n_cols: int) -> int:
     return min(1024, triton.next_power_of_2(max(n_cols, 16)))
 
@@ -48,6 +74,23 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     _row_norms_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1]))
+    return out
+
+
+# Rows a program of ``row_scores`` takes: enough that the estimate's reduction, repeated by every program, stays
+# a small share of the reads (16 KiB against 16 rows of x).
+SCORE_ROWS = 16
+
+
+def row_scores(x: torch.Tensor, estimate: torch.Tensor, period: int, floor: float) -> torch.Tensor:
+    """‖x_i‖₂ · ĝ(i mod period) in fp32, one launch: ``reference.sampling_scores`` of the row norms and
+    ``GradNormEstimate(estimate).lookup`` of the positions, which eagerly take about a dozen launches."""
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    launchable(_row_scores_kernel)[(triton.cdiv(x.shape[0], SCORE_ROWS),)](
+        x, estimate, out, x.shape[0], x.shape[1], x.stride(0), max(period, 1), floor,
+        N_POSITIONS=estimate.numel(), ROWS=SCORE_ROWS, BLOCK=min(256, _block(x.shape[1])),
+    )
     return out
 
 

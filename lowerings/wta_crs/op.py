@@ -53,10 +53,6 @@ def _row_norms(x: torch.Tensor) -> torch.Tensor:
     return kernels.row_norms(x) if _use_kernels(x) else reference.row_norms(x)
 
 
-def _gather_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return kernels.gather_rows(x, index, weight) if _use_kernels(x) else reference.gather_rows(x, index, weight)
-
-
 def _period(x: torch.Tensor, period: int | torch.SymInt) -> int | torch.SymInt:
     """The sequence length for positions: ``period`` if given (> 0 or symbolic), else x's second-last size."""
     if not isinstance(period, int) or period > 0:
@@ -75,11 +71,15 @@ def sample(
     if budget >= 1.0:  # every row, unweighted: the exact gradient (a static branch, no guard on N)
         return torch.arange(rows, device=x.device), x.clone()
     k = reference.sample_size(rows, budget)
-    grad_estimate = reference.GradNormEstimate(estimate).lookup(reference.positions_of(rows, period, x.device))
-    scores = reference.sampling_scores(_row_norms(x), grad_estimate)
     uniforms = torch.rand(k, device=x.device)
+    if _use_kernels(x):  # run eagerly (the opaque sample, ``sampled_linears``): four launches in all
+        scores = kernels.row_scores(x, estimate, period, reference.GRAD_FLOOR)
+        index, weight = kernels.draw(scores, uniforms, winners)
+        return index, kernels.gather_rows(x, index, weight)
+    grad_estimate = reference.GradNormEstimate(estimate).lookup(reference.positions_of(rows, period, x.device))
+    scores = reference.sampling_scores(reference.row_norms(x), grad_estimate)
     index, weight = torch.ops.memopt.wta_crs_draw(scores, uniforms, winners)
-    return index, _gather_rows(x, index, weight)
+    return index, reference.gather_rows(x, index, weight)
 
 
 @reference_op("wta_crs_sample")

@@ -631,6 +631,38 @@ class TestVariant(TestCase):
         self.assertIn("of the chunked one's", record.params["variant_reason"])
         self.assertIn("torch.ops.memopt.cce_rowwise.default", after_code(ex))
 
+    def test_auto_serves_returned_logits_with_the_detached_op(self):
+        """Decided as for CUDA, with the logits returned: what the row-wise op keeps for the backward would sit on
+        the step's peak beside them, so "auto" takes ``cce_with_logits`` with the logits detached (the backend's
+        wrapper carries their gradient) and says what it avoided."""
+        vocab, dim = 4096, 16
+        weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+
+        def fn(h, t):
+            logits = F.linear(h, weight)
+            return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
+
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        targets = torch.randint(0, vocab, (2, 256))
+        ex = rewritten(fn, hidden, targets, force=False, cce_variant="auto", assume_device="cuda")
+        record = ex.records[0]
+        self.assertEqual(record.params["variant"], "with_logits")
+        self.assertIn("detached cce_with_logits keeps nothing for the backward", record.params["variant_reason"])
+        code = after_code(ex)
+        call = code[code.index("torch.ops.memopt.cce_with_logits.default(") :]
+        self.assertTrue(call[: call.index(")")].endswith(", True"), call)  # detach_logits
+        logits, loss = ex.result
+        expected_logits, expected_loss = fn(hidden, targets)
+        torch.testing.assert_close(logits, expected_logits)
+        torch.testing.assert_close(loss, expected_loss)
+        params = [hidden, weight]
+        assert_close_all(grads(loss, params), grads(expected_loss, params))
+        # the logits' own gradient, re-attached by the wrapper, is the linear layer's backward
+        logits, loss = rewritten(fn, hidden, targets, force=False, cce_variant="auto", assume_device="cuda").result
+        expected_logits, expected_loss = fn(hidden, targets)
+        assert_close_all(grads(logits.square().mean() + loss, params),
+                         grads(expected_logits.square().mean() + expected_loss, params))
+
     def test_auto_keeps_chunked_off_cuda(self):
         """The same loss decided for the CPU: the row-wise op's chunk loop is the slower there."""
         fn, weight = self._loss(vocab=4096, dim=16)

@@ -265,6 +265,29 @@ def test_kernels_match_reference():
     torch.testing.assert_close(gathered.cpu(), reference.gather_rows(x, index, weight))
 
 
+@pytest.mark.parametrize("seen", ["none", "some"])
+def test_row_scores_kernel_is_the_reference_lookup(seen):
+    """One launch computes ‖x_i‖ · ĝ(i mod period) as the reference's dozen ops do: unseen positions take the
+    mean of the seen ones (1 before any), every estimate is floored, positions past the last slot share it."""
+    pytest.importorskip("triton")
+    from lowerings.wta_crs import kernels
+
+    gen = torch.Generator().manual_seed(3)
+    period = reference.MAX_POSITIONS + 3  # the last rows of each sequence share the last slot
+    x = torch.randn(2 * period, 21, generator=gen)
+    values = torch.zeros(reference.MAX_POSITIONS)
+    if seen == "some":
+        values[::3] = torch.rand(values[::3].shape, generator=gen) + 0.5
+        values[7] = 1e-9  # below the floor
+        values[-1] = 2.0
+    expected = reference.sampling_scores(
+        reference.row_norms(x),
+        reference.GradNormEstimate(values).lookup(reference.positions_of(x.shape[0], period, x.device)),
+    )
+    scores = kernels.row_scores(x.to(KERNELS_ON), values.to(KERNELS_ON), period, reference.GRAD_FLOOR)
+    torch.testing.assert_close(scores.cpu(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_full_budget_is_exact():
     """Budget 1 keeps every row with weight 1: the weight gradient is the exact one."""
     x, weight, grad_out = _problem(rows=40)
