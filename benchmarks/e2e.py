@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import cpu_peak, cuda_peak, error_note, header, release_memory, write_report
+
+log = logging.getLogger("benchmarks.e2e")
 
 MODELS = ("gpt2", "llama-1b")
 FLOWS = ("loss_only", "whole_model", "padded")
@@ -158,7 +161,10 @@ def first_call(row: Row, one_step: Callable, device: torch.device) -> None:
     final = {report.graph_id: report for report in fxpass.reports()}.values()
     applied = [record.rule for report in final for record in report.records if record.applied]
     row.rewrites = ", ".join(f"{rule}×{applied.count(rule)}" for rule in sorted(set(applied)))
+    log.info("%s %s %s: first call %.1f s (%s)", row.model, row.flow, row.backend, row.first_call_s, row.rewrites)
     one_step()
+    _synchronize(device)
+    log.info("%s %s %s: second call done", row.model, row.flow, row.backend)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -291,6 +297,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     device = torch.device(args.device)
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -304,8 +311,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                             rows.append(row)
                             line = json.dumps(dataclasses.asdict(row))
                             print(line, flush=True)
-                            with progress.open("a") as log:
-                                log.write(line + "\n")
+                            with progress.open("a") as lines:
+                                lines.write(line + "\n")
     title = header(f"End-to-end training step, torch.compile vs memopt ({args.precision})", device)
     write_report(args.out, "e2e.md", f"{title}\n\n{table(rows)}")
     (args.out / "e2e.json").write_text(json.dumps([dataclasses.asdict(row) for row in rows], indent=1))
