@@ -37,11 +37,14 @@ def test_model_on_cuda_emits_cce_kernel(build):
 
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
-def test_whole_model_on_cuda_takes_the_rowwise_op(build, use_logits, monkeypatch):
-    """``torch.compile(model, backend="memopt")`` on CUDA: the row-wise op returns the logits (its chunk kernel
-    reading them, Inductor checking the padded rows' strides), and loss, logits and every gradient equal eager's
-    (fp32), with the logits dropped or used by a second loss outside the graph."""
+@pytest.mark.parametrize("variant", ["auto", "rowwise"])
+def test_whole_model_on_cuda(build, use_logits, variant, monkeypatch):
+    """``torch.compile(model, backend="memopt")`` on CUDA: "auto" serves the returned logits with the detached
+    ``cce_with_logits`` (Triton kernels), "rowwise" with the row-wise op (its chunk kernel reading them,
+    Inductor checking the padded rows' strides); loss, logits and every gradient equal eager's (fp32), with the
+    logits dropped or used by a second loss outside the graph."""
     model = build().cuda()
     ids, labels = (t.cuda() for t in _batch(masked_lm=False))
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    _check_whole_model(model, ids, labels, use_logits, options={"force": True}, rtol=1e-4, atol=1e-5)
+    options = {"force": True, "cce_variant": variant}
+    _check_whole_model(model, ids, labels, use_logits, options=options, rtol=1e-4, atol=1e-5)

@@ -162,9 +162,8 @@ def _check_whole_model(model, ids, labels, use_logits: bool, options=FAST, **tol
     applied = _cce_records(applied=True)
     assert len(applied) == 1, [r.reason for g in _final_reports() for r in g.records]
     assert applied[0].params["returns_logits"] is True
-    variant = options.get("cce_variant", "auto")
-    rowwise = variant == "rowwise" or (variant == "auto" and ids.is_cuda)  # "auto": the row-wise op on CUDA
-    wanted = "rowwise" if rowwise else "with_logits"
+    # "auto" serves returned logits with the detached cce_with_logits on every device
+    wanted = "rowwise" if options.get("cce_variant", "auto") == "rowwise" else "with_logits"
     assert applied[0].params["variant"] == wanted, applied[0].params
     torch.testing.assert_close(actual.loss, expected.loss, **tol)
     torch.testing.assert_close(actual.logits, expected.logits, **tol)
