@@ -11,8 +11,8 @@ vocabulary (random init). The whole model is compiled in place, as for HF's ``Tr
 recognises, whose absence would break the graph) and ``model.compile()`` (plain ``torch.compile``). A step is
 ``model(input_ids=ids, labels=ids).loss``; the output's logits are dropped. Attention runs HF's "eager"
 implementation, the code memopt rewrites into its flash kernel; the loss is HF's causal-LM loss, which memopt
-rewrites into cut cross-entropy with the logits returned beside it (``memopt.cce_with_logits``, or on CUDA
-``memopt.cce_rowwise`` returning them: computed once, never saved for backward). A copy of the model trains
+rewrites into cut cross-entropy with the logits returned beside it (``memopt.cce_with_logits``: computed once,
+never saved for backward, their gradient re-attached outside the graph). A copy of the model trains
 the same steps under plain ``torch.compile`` so both can be compared: memopt's decisions, the bytes autograd
 saves for backward (and, on CUDA, the peak), the losses.
 """

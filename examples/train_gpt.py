@@ -8,7 +8,7 @@ What it shows:
 
 1. memopt's rewrite report: the model is compiled as it is (``torch.compile(model, backend="memopt")``) and
    its forward returns ``(logits, loss)``. The nanoGPT loss ``cross_entropy(lm_head(x).view(-1, V), ...)``
-   becomes ``torch.ops.memopt.cce_with_logits`` (on CUDA, ``memopt.cce_rowwise`` returning the logits), which
+   becomes ``torch.ops.memopt.cce_with_logits``, which
    computes the N×V logits once, returns them and saves none of them for backward (cut cross-entropy); the
    training step drops the logits, so they die at once.
    The causal attention becomes ``torch.ops.memopt.flash_attention``. The report says why for each.

@@ -73,7 +73,8 @@ class Config:
         cce_variant: which CCE op serves a scalar loss: "chunked" (``memopt.cce``, 8·N·D·V FLOPs, keeps only an
             [N] log-sum-exp), "rowwise" (``memopt.cce_rowwise``, 6·N·D·V, keeps the loss's gradients from
             forward to backward) or "auto" (on CUDA the row-wise op where it keeps 3/4 of the chunked one's
-            saving, elsewhere the chunked one: see ``fxpass/rules/cce.py``). "auto" is the default: on the
+            saving, elsewhere the chunked one; logits the graph also returns get ``cce_with_logits``: see
+            ``fxpass/rules/cce.py``). "auto" is the default: on the
             H200 the row-wise op took GPT-2 small's loss-only step to 0.91× torch.compile's time, where the
             chunked one gave 1.10× (BENCHMARKS.md).
         attention_kernel: which kernel computes a rewritten attention on CUDA: "auto" (default) takes cuDNN's

@@ -3,9 +3,10 @@
 A whole model compiled as it is (``torch.compile(model)``, HF Trainer) returns its logits with the loss, and
 most callers drop them. Inside the graph AOTAutograd would give such an output a gradient input, and autograd
 hands that input zeros when the logits go unused: an N×V zero fill, then two N×V GEMMs that add nothing. So
-the CCE rule (``fxpass/rules/cce.py``) returns the logits from ``memopt.cce_rowwise`` as a plain,
-non-differentiable output, and names the classifier's operands as seen by the op: the hidden states (an extra
-graph output) and the weight and bias (graph inputs, cast as autocast cast them, or extra outputs too).
+the CCE rule (``fxpass/rules/cce.py``) returns the logits from ``memopt.cce_with_logits`` (detached) or
+``memopt.cce_rowwise`` as a plain, non-differentiable output, and names the classifier's operands as seen by
+the op: the hidden states (an extra graph output) and the weight and bias (graph inputs, cast as autocast cast
+them, or extra outputs too).
 
 ``attach`` wraps the compiled graph: each call re-attaches the returned logits to those operands through
 ``LogitsGradient``. When the caller uses the logits (a distillation loss, a z-loss), autograd runs its
