@@ -272,9 +272,14 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
         estimate = _estimate_node(gm, candidate, fake_mode, first)
         period = _period_arg(add, candidate)
         tokens = add("call_method", "flatten", add("call_method", "detach", x), 0, -2)
-        draw = sample if config.wta_crs_sampling == "traced" else torch.ops.memopt.wta_crs_sample.default
-        drawn = add("call_function", draw, tokens, estimate, float(config.wta_crs_budget), period,
-                    config.wta_crs_winners)
+        budget = float(config.wta_crs_budget)
+        if config.wta_crs_sampling == "traced":
+            uniforms = _shared_uniforms(gm, add, tokens, budget, fake_mode)
+            drawn = add("call_function", sample, tokens, estimate, budget, period, config.wta_crs_winners,
+                        *([uniforms] if uniforms is not None else []))
+        else:
+            drawn = add("call_function", torch.ops.memopt.wta_crs_sample.default, tokens, estimate, budget, period,
+                        config.wta_crs_winners)
         index, rows = (add("call_function", operator.getitem, drawn, i) for i in range(2))
         fused = add(
             "call_function",
@@ -289,6 +294,36 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
 
 
 _REPLACED_BY = "memopt_wta_replaced_by"
+# Meta key of the graph's one ``torch.rand`` that every traced group's uniforms are sliced from: its length so far.
+_UNIFORMS = "memopt_wta_uniforms"
+
+
+def _shared_uniforms(gm: fx.GraphModule, add, tokens: fx.Node, budget: float, fake_mode) -> fx.Node | None:
+    """This group's k uniforms, a slice of one ``torch.rand`` at the top of the graph that grows by k per group.
+
+    Inductor writes a random call's seed index into its kernel's source as a constant, so a ``torch.rand`` per
+    group gave every group random kernels of its own to compile, fused with the layer around them: on CPU, a
+    4-layer GPT-2 compiled 43 distinct kernels against 34 with the random calls taken out. Slices of one call
+    leave the groups of identical layers identical. None where k is not a constant (``sample`` draws its own)."""
+    from lowerings.wta_crs.reference import sample_size
+
+    rows = tensor_value(tokens).shape[0]
+    k = shapes.constant(sample_size(rows, budget)) if budget < 1.0 else None
+    if k is None:
+        return None
+    graph = gm.graph
+    source = next((node for node in graph.nodes if _UNIFORMS in node.meta), None)
+    device = tensor_value(tokens).device
+    if source is None:
+        with graph.inserting_before(next(node for node in graph.nodes if node.op != "placeholder")):
+            source = graph.call_function(torch.rand, ((0,),), {"device": device})
+        source.meta[_UNIFORMS] = 0
+    offset = source.meta[_UNIFORMS]
+    source.args = ((offset + k,),)
+    source.meta[_UNIFORMS] = offset + k
+    with fake_mode:
+        source.meta["example_value"] = torch.empty(offset + k, device=device)
+    return add("call_method", "narrow", source, 0, offset, k)
 
 
 def _current(node: fx.Node) -> fx.Node:

@@ -61,17 +61,22 @@ def _period(x: torch.Tensor, period: int | torch.SymInt) -> int | torch.SymInt:
 
 
 def sample(
-    x: torch.Tensor, estimate: torch.Tensor, budget: float, period: int | torch.SymInt, winners: bool
+    x: torch.Tensor, estimate: torch.Tensor, budget: float, period: int | torch.SymInt, winners: bool,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [k], weighted rows [k, D]) of the flattened tokens ``x`` [N, D] for this step.
 
-    ``x`` must be detached: no gradient flows through the sample, and autograd must not keep x for it."""
+    ``x`` must be detached: no gradient flows through the sample, and autograd must not keep x for it.
+    ``uniforms`` are the k slots' draws from U[0, 1); None draws them here. The rule hands every group of a graph
+    a slice of one ``torch.rand`` (``fxpass/rules/wta_crs.py``)."""
     rows = x.shape[0]
     torch._check(rows % period == 0, lambda: f"memopt WTA-CRS: {rows} token rows are not whole sequences of {period}")
     if budget >= 1.0:  # every row, unweighted: the exact gradient (a static branch, no guard on N)
         return torch.arange(rows, device=x.device), x.clone()
     k = reference.sample_size(rows, budget)
-    uniforms = torch.rand(k, device=x.device)
+    if uniforms is None:
+        uniforms = torch.rand(k, device=x.device)
+    torch._check(uniforms.shape == (k,), lambda: f"memopt WTA-CRS: {k} slots need {k} uniforms")
     if _use_kernels(x):  # run eagerly (the opaque sample, ``sampled_linears``): four launches in all
         scores = kernels.row_scores(x, estimate, period, reference.GRAD_FLOOR)
         index, weight = kernels.draw(scores, uniforms, winners)

@@ -4,12 +4,14 @@ values and input gradients through the compiled graph, no recompiles."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
+from torch._inductor.utils import run_and_get_code
 
 import fxpass
 from lowerings.wta_crs import reset_estimates
@@ -76,11 +78,13 @@ class GraphModule(torch.nn.Module):
         l_block_modules_fc_parameters_bias_ = L_block_modules_fc_parameters_bias_
         l_block_modules_proj_parameters_weight_ = L_block_modules_proj_parameters_weight_
         l_block_modules_proj_parameters_bias_ = L_block_modules_proj_parameters_bias_
+        rand: "f32[32]cpu" = torch.rand((32,), device = device(type='cpu'))
         h: "f32[2, 12, 16]cpu" = torch.nn.functional.layer_norm(l_x_, (16,), l_block_modules_ln1_parameters_weight_, l_block_modules_ln1_parameters_bias_, 1e-05);  l_block_modules_ln1_parameters_weight_ = l_block_modules_ln1_parameters_bias_ = None
         memopt_wta_estimate_0: "f32[4096]cpu" = self.memopt_wta_estimate_0
         detach: "f32[2, 12, 16]cpu" = h.detach()
         flatten: "f32[24, 16]cpu" = detach.flatten(0, -2);  detach = None
-        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True);  flatten = None
+        narrow: "f32[8]cpu" = rand.narrow(0, 0, 8)
+        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True, narrow);  flatten = narrow = None
         getitem: "i64[8]cpu" = sample[0]
         getitem_1: "f32[8, 16]cpu" = sample[1];  sample = None
         wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(h, [l_block_modules_q_parameters_weight_, l_block_modules_k_parameters_weight_, l_block_modules_v_parameters_weight_], [l_block_modules_q_parameters_bias_, l_block_modules_k_parameters_bias_, l_block_modules_v_parameters_bias_], [0, 1, 2], getitem, getitem_1, memopt_wta_estimate_0, 'wta_crs:L_block_modules_q_parameters_weight_,L_block_modules_k_parameters_weight_,L_block_modules_v_parameters_weight_', 12);  h = l_block_modules_q_parameters_weight_ = l_block_modules_k_parameters_weight_ = l_block_modules_v_parameters_weight_ = l_block_modules_q_parameters_bias_ = l_block_modules_k_parameters_bias_ = l_block_modules_v_parameters_bias_ = getitem = getitem_1 = memopt_wta_estimate_0 = None
@@ -95,7 +99,8 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_1: "f32[4096]cpu" = self.memopt_wta_estimate_1
         detach_1: "f32[2, 12, 16]cpu" = matmul_1.detach()
         flatten_1: "f32[24, 16]cpu" = detach_1.flatten(0, -2);  detach_1 = None
-        sample_1 = lowerings_wta_crs_op_sample(flatten_1, memopt_wta_estimate_1, 0.3, 12, True);  flatten_1 = None
+        narrow_1: "f32[8]cpu" = rand.narrow(0, 8, 8)
+        sample_1 = lowerings_wta_crs_op_sample(flatten_1, memopt_wta_estimate_1, 0.3, 12, True, narrow_1);  flatten_1 = narrow_1 = None
         getitem_5: "i64[8]cpu" = sample_1[0]
         getitem_6: "f32[8, 16]cpu" = sample_1[1];  sample_1 = None
         wta_crs_linears_default_1 = torch.ops.memopt.wta_crs_linears.default(matmul_1, [l_block_modules_o_parameters_weight_], [l_block_modules_o_parameters_bias_], [0], getitem_5, getitem_6, memopt_wta_estimate_1, 'wta_crs:L_block_modules_o_parameters_weight_', 12);  matmul_1 = l_block_modules_o_parameters_weight_ = l_block_modules_o_parameters_bias_ = getitem_5 = getitem_6 = memopt_wta_estimate_1 = None
@@ -105,7 +110,8 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_2: "f32[4096]cpu" = self.memopt_wta_estimate_2
         detach_2: "f32[2, 12, 16]cpu" = layer_norm_1.detach()
         flatten_2: "f32[24, 16]cpu" = detach_2.flatten(0, -2);  detach_2 = None
-        sample_2 = lowerings_wta_crs_op_sample(flatten_2, memopt_wta_estimate_2, 0.3, 12, True);  flatten_2 = None
+        narrow_2: "f32[8]cpu" = rand.narrow(0, 16, 8)
+        sample_2 = lowerings_wta_crs_op_sample(flatten_2, memopt_wta_estimate_2, 0.3, 12, True, narrow_2);  flatten_2 = narrow_2 = None
         getitem_8: "i64[8]cpu" = sample_2[0]
         getitem_9: "f32[8, 16]cpu" = sample_2[1];  sample_2 = None
         wta_crs_linears_default_2 = torch.ops.memopt.wta_crs_linears.default(layer_norm_1, [l_block_modules_fc_parameters_weight_], [l_block_modules_fc_parameters_bias_], [0], getitem_8, getitem_9, memopt_wta_estimate_2, 'wta_crs:L_block_modules_fc_parameters_weight_', 12);  layer_norm_1 = l_block_modules_fc_parameters_weight_ = l_block_modules_fc_parameters_bias_ = getitem_8 = getitem_9 = memopt_wta_estimate_2 = None
@@ -114,7 +120,8 @@ class GraphModule(torch.nn.Module):
         memopt_wta_estimate_3: "f32[4096]cpu" = self.memopt_wta_estimate_3
         detach_3: "f32[2, 12, 64]cpu" = gelu.detach()
         flatten_3: "f32[24, 64]cpu" = detach_3.flatten(0, -2);  detach_3 = None
-        sample_3 = lowerings_wta_crs_op_sample(flatten_3, memopt_wta_estimate_3, 0.3, 12, True);  flatten_3 = None
+        narrow_3: "f32[8]cpu" = rand.narrow(0, 24, 8);  rand = None
+        sample_3 = lowerings_wta_crs_op_sample(flatten_3, memopt_wta_estimate_3, 0.3, 12, True, narrow_3);  flatten_3 = narrow_3 = None
         getitem_11: "i64[8]cpu" = sample_3[0]
         getitem_12: "f32[8, 64]cpu" = sample_3[1];  sample_3 = None
         wta_crs_linears_default_3 = torch.ops.memopt.wta_crs_linears.default(gelu, [l_block_modules_proj_parameters_weight_], [l_block_modules_proj_parameters_bias_], [0], getitem_11, getitem_12, memopt_wta_estimate_3, 'wta_crs:L_block_modules_proj_parameters_weight_', 12);  gelu = l_block_modules_proj_parameters_weight_ = l_block_modules_proj_parameters_bias_ = getitem_11 = getitem_12 = memopt_wta_estimate_3 = None
@@ -122,6 +129,24 @@ class GraphModule(torch.nn.Module):
         add_1: "f32[2, 12, 16]cpu" = x + getitem_13;  x = getitem_13 = None
         sum_1: "f32[]cpu" = add_1.sum();  add_1 = None
         return (sum_1,)""")
+
+    def test_groups_share_one_random_call(self):
+        """Every traced group's uniforms are a slice of one ``torch.rand``, so Inductor compiles one random kernel
+        for the graph, not one per group: it writes each random call's seed index into its kernel's source."""
+        torch.manual_seed(0)
+        blocks = nn.Sequential(Block(), Block())  # 8 groups
+        x = torch.randn(2, 12, D, requires_grad=True)
+        reports = []
+        backend = fxpass.MemoptBackend(options=ON | {"force": True}, sink=reports.append, keep_code=True)
+        compiled = torch.compile(lambda x: blocks(x).square().sum(), backend=backend)
+        _, codes = run_and_get_code(lambda: torch.autograd.grad(compiled(x), [x]))
+        assert sum(r.rule == "wta_crs" and r.applied for r in reports[-1].records) == 8
+        after = reports[-1].after
+        assert after.count("torch.rand(") == 1 and "torch.rand((64,)" in after  # 8 groups × k = 8
+        offsets = sorted(int(m) for m in re.findall(r"rand\.narrow\(0, (\d+), 8\)", after))
+        assert offsets == list(range(0, 64, 8))  # disjoint slices
+        kernels = re.findall(r"^(\w+) = async_compile\.", "\n".join(codes), re.M)
+        assert kernels and sum("rand" in name for name in kernels) == 1, kernels
 
     def test_values_and_input_gradients_are_exact(self):
         """Outputs, the input gradient and every bias gradient equal eager; weight gradients are estimates. The
@@ -176,13 +201,15 @@ class GraphModule(torch.nn.Module):
         l_x_ = L_x_
         l_bias_ = L_bias_
         l_weight_ = L_weight_
+        rand: "f32[8]cpu" = torch.rand((8,), device = device(type='cpu'))
         h: "f32[2, 12, 16]cpu" = torch.nn.functional.layer_norm(l_x_, (16,), l_ln_parameters_weight_, l_ln_parameters_bias_, 1e-05);  l_x_ = l_ln_parameters_weight_ = l_ln_parameters_bias_ = None
         view: "f32[24, 16]cpu" = h.view(-1, 16);  h = None
         t: "f32[48, 16]cpu" = l_weight_.t();  l_weight_ = None
         memopt_wta_estimate_0: "f32[4096]cpu" = self.memopt_wta_estimate_0
         detach: "f32[24, 16]cpu" = view.detach()
         flatten: "f32[24, 16]cpu" = detach.flatten(0, -2);  detach = None
-        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True);  flatten = None
+        narrow: "f32[8]cpu" = rand.narrow(0, 0, 8);  rand = None
+        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True, narrow);  flatten = narrow = None
         getitem: "i64[8]cpu" = sample[0]
         getitem_1: "f32[8, 16]cpu" = sample[1];  sample = None
         wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(view, [t], [l_bias_], [0], getitem, getitem_1, memopt_wta_estimate_0, 'wta_crs:L_weight_', 12);  view = t = l_bias_ = getitem = getitem_1 = memopt_wta_estimate_0 = None
