@@ -55,7 +55,27 @@ def child(
     row = e2e.Row(model_name, attention, dropout, "whole_model", backend, tokens=batch * seq)
     e2e.first_call(row, one_step, device)
     cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
-    return {"variant": variant, "first_call_s": row.first_call_s, "rewrites": row.rewrites, "aot_autograd_cache": cache}
+    return {
+        "variant": variant, "first_call_s": row.first_call_s, "rewrites": row.rewrites, "aot_autograd_cache": cache,
+        "phases_s": compile_phases(), "kernels_generated": generated_kernels(),
+    }
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds per timed compile phase of this process (Dynamo's ``compile_times``, summed over graphs), the
+    longest first: where a variant's extra first-call time goes."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    phases = {name: round(float(value), 2) for name, value in zip(names, values, strict=True)}
+    return dict(sorted(phases.items(), key=lambda item: -item[1]))
+
+
+def generated_kernels() -> int:
+    """Kernels Inductor generated in this process (each one compiled, unless its source was cached)."""
+    from torch._inductor import metrics
+
+    return int(metrics.generated_kernel_count)
 
 
 def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
