@@ -1,8 +1,8 @@
-"""Triton kernels of WTA-CRS sampling: the draw itself (one program), and, for eager CUDA calls, row norms and
-the fused gather-and-weight of samples.
+"""Triton kernels of WTA-CRS sampling: the draw itself (one program, scores looked up from the gradient-norm
+estimate inside it), and, for eager CUDA calls, row norms and the fused gather-and-weight of samples.
 
 Inside compiled graphs Inductor generates the norm and gather kernels from the PyTorch reference (``op.py``);
-the draw kernel it emits as it is (``memopt::wta_crs_draw`` is a ``triton_op``)."""
+the draw is the opaque ``memopt::wta_crs_draw``, which launches ``draw`` as it is."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowerings._library import launchable
+from lowerings.wta_crs.reference import GRAD_FLOOR
 
 
 @triton.jit
@@ -39,32 +39,6 @@ def _gather_rows_kernel(X, Index, Weight, Out, n_cols, stride_row, BLOCK: tl.con
         tl.store(dst + cols, (values * scale).to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _row_scores_kernel(
-    X, Estimate, Out, n_rows, n_cols, stride_row, period, floor,
-    N_POSITIONS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # ĝ's fallback, the mean of the positions seen (values > 0), or 1 before any: every program reduces the
-    # estimate itself (16 KiB from L2) rather than wait on a separate launch.
-    values = tl.load(Estimate + tl.arange(0, N_POSITIONS))
-    seen = tl.sum((values > 0).to(tl.float32), axis=0)
-    mean = tl.where(seen > 0, tl.sum(values, axis=0) / tl.maximum(seen, 1.0), 1.0)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    in_rows = rows < n_rows
-    base = X + rows.to(tl.int64)[:, None] * stride_row
-    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = in_rows[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += x * x
-    norms = tl.sqrt(tl.sum(acc, axis=1))
-    positions = tl.minimum(rows % period, N_POSITIONS - 1)
-    estimate = tl.load(Estimate + positions, mask=in_rows, other=1.0)
-    estimate = tl.maximum(tl.where(estimate > 0, estimate, mean), floor * mean)
-    tl.store(Out + rows, norms * estimate, mask=in_rows)
-
-
 def _block(n_cols: int) -> int:
     return min(1024, triton.next_power_of_2(max(n_cols, 16)))
 
@@ -74,23 +48,6 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     _row_norms_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1]))
-    return out
-
-
-# Rows a program of ``row_scores`` takes: enough that the estimate's reduction, repeated by every program, stays
-# a small share of the reads (16 KiB against 16 rows of x).
-SCORE_ROWS = 16
-
-
-def row_scores(x: torch.Tensor, estimate: torch.Tensor, period: int, floor: float) -> torch.Tensor:
-    """‖x_i‖₂ · ĝ(i mod period) in fp32, one launch: ``reference.sampling_scores`` of the row norms and
-    ``GradNormEstimate(estimate).lookup`` of the positions, which eagerly take about a dozen launches."""
-    x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    launchable(_row_scores_kernel)[(triton.cdiv(x.shape[0], SCORE_ROWS),)](
-        x, estimate, out, x.shape[0], x.shape[1], x.stride(0), max(period, 1), floor,
-        N_POSITIONS=estimate.numel(), ROWS=SCORE_ROWS, BLOCK=min(256, _block(x.shape[1])),
-    )
     return out
 
 
@@ -113,8 +70,8 @@ def _probabilities(Scores, rows, valid, total, n_rows):
 
 @triton.jit
 def _draw_kernel(
-    Scores, Uniforms, Cumulative, Index, Weight, n_rows, n_slots, max_rounds,
-    WINNERS: tl.constexpr, BLOCK: tl.constexpr,
+    Norms, Estimate, Scores, Uniforms, Cumulative, Index, Weight, n_rows, n_slots, max_rounds, period, floor,
+    N_POSITIONS: tl.constexpr, LOOKUP: tl.constexpr, WINNERS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One WTA-CRS sample (``reference.draw``'s estimator) in a single program, a few passes over the scores.
 
@@ -125,8 +82,31 @@ def _draw_kernel(
     mass near 1), keeping the last set of fewer than k: any C chosen before the draw keeps the estimate
     unbiased, a smaller one costs a little variance. Winners fill the first slots in row order; the other slots
     are inverse-CDF draws with replacement from the residual mass, found by binary search in a cumulative sum
-    kept in ``Cumulative``."""
+    kept in ``Cumulative``.
+
+    With ``LOOKUP`` the first pass writes the scores ‖x_i‖ · ĝ(i mod period) into ``Scores`` from the row norms
+    and the estimate (``reference.GradNormEstimate.lookup``: positions never seen take the mean of the seen
+    ones, or 1 before any; every estimate is floored at ``floor`` times that mean); otherwise ``Scores`` holds
+    them already."""
     lanes = tl.arange(0, BLOCK)
+    if LOOKUP:
+        seen = 0.0
+        seen_sum = 0.0
+        for start in range(0, N_POSITIONS, BLOCK):
+            slots = start + lanes
+            values = tl.load(Estimate + slots, mask=slots < N_POSITIONS, other=0.0)
+            seen += tl.sum((values > 0).to(tl.float32), axis=0)
+            seen_sum += tl.sum(values, axis=0)
+        mean = tl.where(seen > 0, seen_sum / tl.maximum(seen, 1.0), 1.0)
+        for start in range(0, n_rows, BLOCK):
+            rows = start + lanes
+            valid = rows < n_rows
+            positions = tl.minimum(rows % period, N_POSITIONS - 1)
+            estimate = tl.load(Estimate + positions, mask=valid, other=1.0)
+            estimate = tl.maximum(tl.where(estimate > 0, estimate, mean), floor * mean)
+            norms = tl.load(Norms + rows, mask=valid, other=0.0)
+            tl.store(Scores + rows, norms * estimate, mask=valid)
+        tl.debug_barrier()  # the scores are read back by other threads below
     total = 0.0
     for start in range(0, n_rows, BLOCK):
         rows = start + lanes
@@ -199,17 +179,29 @@ DRAW_LAUNCH = {"BLOCK": 1024, "num_warps": 8}
 
 
 def draw(
-    scores: torch.Tensor, uniforms: torch.Tensor, winners: bool, launch: dict[str, int] | None = None
+    scores: torch.Tensor,
+    uniforms: torch.Tensor,
+    winners: bool,
+    launch: dict[str, int] | None = None,
+    *,
+    estimate: torch.Tensor | None = None,
+    period: int = 1,
+    floor: float = GRAD_FLOOR,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [k], weight [k]) of one sample from unnormalized fp32 ``scores`` [N], k = len(uniforms).
 
-    ``uniforms`` are k draws from U[0, 1), one per slot (the slots after the winners use them)."""
+    ``uniforms`` are k draws from U[0, 1), one per slot (the slots after the winners use them). With
+    ``estimate`` (a group's gradient-norm estimate), ``scores`` are the row norms ‖x_i‖ and the kernel scores
+    row i by ĝ(i mod ``period``) itself: one launch where the lookup eagerly takes about a dozen."""
     n_rows, n_slots = scores.numel(), uniforms.numel()
     index = torch.empty(n_slots, dtype=torch.int64, device=scores.device)
     weight = torch.empty(n_slots, dtype=torch.float32, device=scores.device)
     cumulative = torch.empty(n_rows, dtype=torch.float32, device=scores.device)
-    launchable(_draw_kernel)[(1,)](
-        scores, uniforms, cumulative, index, weight, n_rows, n_slots, WINNER_ROUNDS,
-        WINNERS=winners, **(launch or DRAW_LAUNCH),
+    looked_up = torch.empty_like(cumulative) if estimate is not None else scores
+    _draw_kernel[(1,)](
+        scores, scores if estimate is None else estimate, looked_up, uniforms, cumulative, index, weight,
+        n_rows, n_slots, WINNER_ROUNDS, max(period, 1), floor,
+        N_POSITIONS=1 if estimate is None else estimate.numel(), LOOKUP=estimate is not None, WINNERS=winners,
+        **(launch or DRAW_LAUNCH),
     )
     return index, weight

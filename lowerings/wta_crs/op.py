@@ -21,12 +21,12 @@ calls of one step read in their backward (their own forward's values or a later 
 gradient.
 
 The linears form an opaque op; the backward is ordinary PyTorch, which AOTAutograd traces into the compiled
-graph. The sample enters the graph one of two ways (``Config.wta_crs_sampling``): traced (``sample`` itself,
-which Inductor fuses with its neighbours, so no per-op Python runs at training time, but every group's
-sampling becomes kernels of its own to compile) or opaque (``memopt::wta_crs_sample``, which runs ``sample``
+graph. The sample enters the graph one of two ways (``Config.wta_crs_sampling``): traced (``sample`` itself:
+Inductor fuses its row norms and gather with the layer around them, and only the draw is a call at training
+time) or opaque (``memopt::wta_crs_sample``, which runs ``sample``
 as it is at training time and gives Inductor nothing to compile). The draw itself
-(winners, then draws with replacement) is ``memopt::wta_crs_draw``, a ``triton_op``: on CUDA one Triton
-program that Inductor emits as is, where the sorted PyTorch rule took a top-k and about fifteen launches.
+(scores from the estimate, winners, then draws with replacement) is ``memopt::wta_crs_draw``, opaque in both:
+on CUDA one Triton program, where the sorted PyTorch rule took a top-k and about fifteen launches.
 Randomness comes from torch's generator (Inductor's when compiled): fresh draws each step, reproducible
 under ``torch.manual_seed``, fixed shapes, CUDA-graph safe.
 """
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lowerings._library import HAS_TRITON, device_op, interpreting, keep_side_effect, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, interpreting, keep_side_effect, on_cuda, reference_op
 from lowerings.wta_crs import reference, state
 
 if HAS_TRITON:
@@ -77,13 +77,11 @@ def sample(
     if uniforms is None:
         uniforms = torch.rand(k, device=x.device)
     torch._check(uniforms.shape == (k,), lambda: f"memopt WTA-CRS: {k} slots need {k} uniforms")
-    if _use_kernels(x):  # run eagerly (the opaque sample, ``sampled_linears``): four launches in all
-        scores = kernels.row_scores(x, estimate, period, reference.GRAD_FLOOR)
-        index, weight = kernels.draw(scores, uniforms, winners)
+    if _use_kernels(x):  # run eagerly (the opaque sample, ``sampled_linears``): three launches in all
+        index, weight = kernels.draw(kernels.row_norms(x), uniforms, winners, estimate=estimate, period=period)
         return index, kernels.gather_rows(x, index, weight)
-    grad_estimate = reference.GradNormEstimate(estimate).lookup(reference.positions_of(rows, period, x.device))
-    scores = reference.sampling_scores(reference.row_norms(x), grad_estimate)
-    index, weight = torch.ops.memopt.wta_crs_draw(scores, uniforms, winners)
+    # traced: Inductor fuses the norms and the gather with the layer around them; the draw stays one opaque call
+    index, weight = torch.ops.memopt.wta_crs_draw(reference.row_norms(x), estimate, uniforms, period, winners)
     return index, reference.gather_rows(x, index, weight)
 
 
@@ -103,19 +101,33 @@ def _(x, estimate, budget, period, winners):
     return x.new_empty(k, dtype=torch.long), x.new_empty(k, x.shape[1])
 
 
-@device_op("wta_crs_draw")
-def wta_crs_draw(scores: torch.Tensor, uniforms: torch.Tensor, winners: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(index, weight) of one sample from unnormalized ``scores`` [N], one slot per uniform in [0, 1).
+@reference_op("wta_crs_draw")
+def wta_crs_draw(
+    norms: torch.Tensor, estimate: torch.Tensor, uniforms: torch.Tensor, period: int, winners: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, weight) of one sample of rows scored ‖x_i‖ · ĝ(i mod period), one slot per uniform in [0, 1).
 
-    On CUDA one Triton program (``kernels.draw``: no sort, one launch where the sorted reference takes about
-    fifteen); elsewhere the sorted reference. Both draw from the same distribution with the same uniforms."""
-    torch._check(scores.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: scores and uniforms are 1-D")
-    torch._check(
-        uniforms.numel() <= scores.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from"
-    )
-    if HAS_TRITON and on_cuda(scores, uniforms):
-        return kernels.draw(scores.float().contiguous(), uniforms.float().contiguous(), winners)
-    return reference.draw(reference.normalize(scores.float()), uniforms.float(), winners)
+    Opaque on purpose. As a ``triton_op`` its kernel was emitted by Inductor, but torch 2.11 and 2.13 compile
+    a user kernel to TTIR and walk it to find the arguments it writes at each call site, once per consumer
+    (functionalization, lowering, the IR node; pytorch/pytorch#193227 counts about 90 ms each): for GPT-2's 48
+    groups the larger part of WTA-CRS's extra first call on the H200. Opaque, it costs one call a step and
+    nothing to compile. On CUDA one Triton program (``kernels.draw``: the estimate's lookup and the draw, no
+    sort); elsewhere the reference's lookup and sorted draw, from the same distribution with the same uniforms."""
+    torch._check(norms.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: norms and uniforms are 1-D")
+    torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
+    norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
+    if HAS_TRITON and on_cuda(norms, estimate, uniforms):
+        return kernels.draw(norms, uniforms, winners, estimate=estimate.float().contiguous(), period=period)
+    positions = reference.positions_of(norms.numel(), period, norms.device)
+    grad_estimate = reference.GradNormEstimate(estimate).lookup(positions)
+    scores = reference.sampling_scores(norms, grad_estimate)
+    return reference.draw(reference.normalize(scores), uniforms, winners)
+
+
+@wta_crs_draw.register_fake
+def _(norms, estimate, uniforms, period, winners):
+    k = uniforms.shape[0]
+    return norms.new_empty(k, dtype=torch.long), norms.new_empty(k, dtype=torch.float32)
 
 
 def sampled_linears(

@@ -242,13 +242,29 @@ def test_sample_op_is_sample(budget):
 def test_draw_opcheck(winners):
     """The draw op's schema, fake (meta) implementation and dispatch: outputs of fixed shape k."""
     gen = torch.Generator().manual_seed(3)
-    scores, uniforms = torch.rand(50, generator=gen), torch.rand(12, generator=gen)
-    torch.library.opcheck(torch.ops.memopt.wta_crs_draw.default, (scores, uniforms, winners))
+    norms, uniforms = torch.rand(50, generator=gen), torch.rand(12, generator=gen)
+    estimate = torch.rand(reference.MAX_POSITIONS, generator=gen)
+    torch.library.opcheck(torch.ops.memopt.wta_crs_draw.default, (norms, estimate, uniforms, 10, winners))
+
+
+def test_draw_op_scores_rows_by_the_estimate():
+    """The op draws from ‖x_i‖ · ĝ(i mod period), the reference's lookup: same uniforms, same sample."""
+    gen = torch.Generator().manual_seed(4)
+    norms, uniforms = torch.rand(40, generator=gen) + 0.1, torch.rand(9, generator=gen)
+    estimate = torch.zeros(reference.MAX_POSITIONS)
+    estimate[:5] = torch.rand(5, generator=gen) * 4
+    scores = reference.sampling_scores(
+        norms, reference.GradNormEstimate(estimate).lookup(reference.positions_of(40, 8, norms.device))
+    )
+    expected = reference.draw(reference.normalize(scores), uniforms, True)
+    drawn = torch.ops.memopt.wta_crs_draw(norms, estimate, uniforms, 8, True)
+    assert torch.equal(drawn[0], expected[0])
+    torch.testing.assert_close(drawn[1], expected[1])
 
 
 def test_draw_rejects_more_slots_than_rows():
     with pytest.raises(RuntimeError, match="more slots than rows"):
-        torch.ops.memopt.wta_crs_draw(torch.rand(3), torch.rand(4), True)
+        torch.ops.memopt.wta_crs_draw(torch.rand(3), torch.zeros(reference.MAX_POSITIONS), torch.rand(4), 1, True)
 
 
 def test_kernels_match_reference():
@@ -266,26 +282,28 @@ def test_kernels_match_reference():
 
 
 @pytest.mark.parametrize("seen", ["none", "some"])
-def test_row_scores_kernel_is_the_reference_lookup(seen):
-    """One launch computes ‖x_i‖ · ĝ(i mod period) as the reference's dozen ops do: unseen positions take the
-    mean of the seen ones (1 before any), every estimate is floored, positions past the last slot share it."""
+def test_draw_kernel_looks_the_scores_up(seen):
+    """Given row norms and the estimate, the draw kernel scores row i by ĝ(i mod period) as the reference's dozen
+    ops do (unseen positions take the mean of the seen ones, 1 before any; every estimate is floored; positions
+    past the last slot share it), then draws: the sample follows the estimator for those scores."""
     pytest.importorskip("triton")
     from lowerings.wta_crs import kernels
 
     gen = torch.Generator().manual_seed(3)
     period = reference.MAX_POSITIONS + 3  # the last rows of each sequence share the last slot
-    x = torch.randn(2 * period, 21, generator=gen)
+    norms = torch.rand(2 * period, generator=gen) + 0.05
     values = torch.zeros(reference.MAX_POSITIONS)
     if seen == "some":
         values[::3] = torch.rand(values[::3].shape, generator=gen) + 0.5
         values[7] = 1e-9  # below the floor
         values[-1] = 2.0
-    expected = reference.sampling_scores(
-        reference.row_norms(x),
-        reference.GradNormEstimate(values).lookup(reference.positions_of(x.shape[0], period, x.device)),
+    scores = reference.sampling_scores(
+        norms, reference.GradNormEstimate(values).lookup(reference.positions_of(norms.numel(), period, norms.device))
     )
-    scores = kernels.row_scores(x.to(KERNELS_ON), values.to(KERNELS_ON), period, reference.GRAD_FLOOR)
-    torch.testing.assert_close(scores.cpu(), expected, rtol=1e-5, atol=1e-6)
+    uniforms = torch.rand(900, generator=gen)
+    drawn = kernels.draw(norms.to(KERNELS_ON), uniforms.to(KERNELS_ON), True, estimate=values.to(KERNELS_ON),
+                         period=period)
+    check_sample(scores, uniforms, *(t.cpu() for t in drawn), True)
 
 
 def test_full_budget_is_exact():
