@@ -40,8 +40,13 @@ def calls(rows: int, dim: int, budget: float, period: int) -> dict[str, Callable
             x, estimate, budget, period, True
         ),
         "sample() (its body)": lambda: sample(x, estimate, budget, period, True),
-        "kernels.row_scores": lambda: kernels.row_scores(x, estimate, period, reference.GRAD_FLOOR),
-        "kernels.draw": lambda: kernels.draw(scores, uniforms, True),
+        "torch.ops.memopt.wta_crs_draw (the traced sample's one call)": lambda: torch.ops.memopt.wta_crs_draw(
+            scores, estimate, uniforms, period, True
+        ),
+        "kernels.row_norms": lambda: kernels.row_norms(x),
+        "kernels.draw (with the estimate's lookup)": lambda: kernels.draw(
+            scores, uniforms, True, estimate=estimate, period=period
+        ),
         "kernels.gather_rows": lambda: kernels.gather_rows(x, index, weight),
         "torch.rand": lambda: torch.rand(k, device="cuda"),
         "reference.sample_size": lambda: reference.sample_size(rows, budget),
