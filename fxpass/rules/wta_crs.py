@@ -285,7 +285,7 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
         fused = add(
             "call_function",
             torch.ops.memopt.wta_crs_linears.default,
-            x, weights, biases, bias_of, index, rows, estimate, candidate.key, period,
+            x, weights, biases, bias_of, index, rows, candidate.key, period,
         )
         outputs = [add("call_function", operator.getitem, fused, i) for i in range(len(candidate.members))]
     for member, output in zip(candidate.members, outputs, strict=True):

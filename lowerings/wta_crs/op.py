@@ -2,7 +2,7 @@
 
     index, rows = sample(x2d, estimate, budget, period, winners)   # PyTorch + the one-program draw kernel
     *outputs = torch.ops.memopt.wta_crs_linears(x, [W_q, W_k, W_v], [b_q, b_v], [0, -1, 1],
-                                                index, rows, estimate, key, period)
+                                                index, rows, key, period)
 
 ``x`` is [..., D_in] (its leading dimensions are the tokens), each ``W`` [D_out, D_in]; ``bias_of[i]`` is the
 index in ``biases`` of weight i's bias, or -1 when it has none. The outputs are exact (x Wᵀ + b); so are the
@@ -10,18 +10,17 @@ input and bias gradients. Autograd saves only ``rows``, the k = ceil(budget·N) 
 weighted, and their ``index``; each weight gradient is the unbiased WTA-CRS estimate G[index]ᵀ rows. One
 sample serves every linear of the group (Q/K/V, gate/up), so the rows are stored once. ``period`` is the
 sequence length: token i sits at position i mod period, and 0 takes x.shape[-2] for inputs of 3 or more
-dimensions. ``estimate`` is the group's running gradient-norm estimate and ``key`` its name (``state.py``):
+dimensions. ``key`` names the group's running gradient-norm estimate (``state.py``), which the sample reads;
 the backward folds this step's gradient norms into it through ``memopt::wta_crs_store``.
 
-The store is an op with a side effect that writes the estimate by name, hiding the write from autograd. A graph
+The store is an op with a side effect that updates the estimate in place by name, hidden from autograd. A graph
 called several times before one backward (blocks that share one compiled graph, two forwards of one model
-before the backward) saves the same estimate once per call, and an in-place write that autograd saw would
-fail every later backward's saved-tensor version check. The estimate only steers sampling, so what the
-calls of one step read in their backward (their own forward's values or a later call's update) never biases a
-gradient.
+before the backward) reads the same estimate in each forward, and an in-place write that autograd saw would
+fail every later backward's saved-tensor version check. The estimate only steers sampling, so which update a
+later call of one step reads never biases a gradient.
 
 The linears form an opaque op; the backward is ordinary PyTorch, which AOTAutograd traces into the compiled
-graph. The sample enters the graph one of two ways (``Config.wta_crs_sampling``): traced (``sample`` itself:
+graph, except the estimate's update (the store). The sample enters the graph one of two ways (``Config.wta_crs_sampling``): traced (``sample`` itself:
 Inductor fuses its row norms and gather with the layer around them, and only the draw is a call at training
 time) or opaque (``memopt::wta_crs_sample``, which runs ``sample``
 as it is at training time and gives Inductor nothing to compile). The draw itself
@@ -146,7 +145,7 @@ def sampled_linears(
     estimate = state.estimate(key, x.device).values
     period = _period(x, period)
     index, rows = sample(x.detach().reshape(-1, x.shape[-1]), estimate, budget, period, winners)
-    return torch.ops.memopt.wta_crs_linears(x, weights, biases, bias_of, index, rows, estimate, key, period)
+    return torch.ops.memopt.wta_crs_linears(x, weights, biases, bias_of, index, rows, key, period)
 
 
 @reference_op("wta_crs_linears")
@@ -157,7 +156,6 @@ def wta_crs_linears(
     bias_of: list[int],
     index: torch.Tensor,
     rows: torch.Tensor,
-    estimate: torch.Tensor,
     key: str,
     period: int,
 ) -> list[torch.Tensor]:
@@ -165,13 +163,13 @@ def wta_crs_linears(
 
 
 @wta_crs_linears.register_fake
-def _(x, weights, biases, bias_of, index, rows, estimate, key, period):
+def _(x, weights, biases, bias_of, index, rows, key, period):
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weights, biases, bias_of, index, rows, estimate, key, period = inputs
-    ctx.save_for_backward(index, rows, estimate, *weights)
+    x, weights, biases, bias_of, index, rows, key, period = inputs
+    ctx.save_for_backward(index, rows, *weights)
     ctx.key, ctx.period, ctx.bias_of = key, period, list(bias_of)
     ctx.x_shape = x.shape
     ctx.x_requires_grad = x.requires_grad
@@ -181,7 +179,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, output_grads):
     """Exact grad_x and bias gradients, G[index]ᵀ rows for the weights; then the estimate learns ‖G_i‖."""
-    index, rows, estimate, *weights = ctx.saved_tensors
+    index, rows, *weights = ctx.saved_tensors
     tokens = rows.new_empty(ctx.x_shape[:-1]).numel()
     grads = [
         g.reshape(-1, g.shape[-1]) if g is not None else rows.new_zeros((tokens, w.shape[0]))
@@ -198,28 +196,32 @@ def _backward(ctx, output_grads):
         grads[ctx.bias_of.index(slot)].sum(0) if need else None for slot, need in enumerate(ctx.biases_require_grad)
     ]
     norms = torch.sqrt(sum(_row_norms(g).square() for g in grads))
-    torch.ops.memopt.wta_crs_store(reference.GradNormEstimate(estimate).updated(norms, ctx.period), ctx.key)
-    return grad_x, grad_weights, grad_biases, None, None, None, None, None, None
+    torch.ops.memopt.wta_crs_store(norms, ctx.key, ctx.period)
+    return grad_x, grad_weights, grad_biases, None, None, None, None, None
 
 
 wta_crs_linears.register_autograd(_backward, setup_context=_setup_context)
 
 
 @reference_op("wta_crs_store")
-def wta_crs_store(values: torch.Tensor, key: str) -> None:
-    """Write this step's estimate into the group's state (``state.py``), one copy, hidden from autograd.
+def wta_crs_store(norms: torch.Tensor, key: str, period: int) -> None:
+    """Fold this step's per-row gradient norms into the group's estimate (``state.py``), in place, hidden from
+    autograd: on CUDA one kernel (``kernels.update_estimate``), elsewhere the reference's update and a copy.
 
-    The update itself is plain PyTorch in the backward formula, which Inductor fuses with the gradient-norm
-    kernels; only the write is opaque. It names its target instead of taking it as an argument, so nothing
-    in the graph is mutated, and it is marked as having a side effect so that no pass drops it for having no
-    output (``keep_side_effect``)."""
-    target = state.estimate(key, values.device).values
+    Opaque, so that the fifteen-odd ops of the update are no kernels of every group's own for Inductor to
+    generate in the backward (the norms stay traced, fused with the gradient's kernels). It names its target
+    instead of taking it as an argument, so nothing in the graph is mutated, and it is marked as having a side
+    effect so that no pass drops it for having no output (``keep_side_effect``)."""
+    target = state.estimate(key, norms.device).values
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
-        target.copy_(values)
+        if HAS_TRITON and on_cuda(norms, target) and not interpreting():
+            kernels.update_estimate(target, norms.float().contiguous(), period, reference.EMA_DECAY)
+        else:
+            target.copy_(reference.GradNormEstimate(target).updated(norms, period))
 
 
 @wta_crs_store.register_fake
-def _(values, key):
+def _(norms, key, period):
     return None
 
 

@@ -84,10 +84,10 @@ class GraphModule(torch.nn.Module):
         detach: "f32[2, 12, 16]cpu" = h.detach()
         flatten: "f32[24, 16]cpu" = detach.flatten(0, -2);  detach = None
         narrow: "f32[8]cpu" = rand.narrow(0, 0, 8)
-        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True, narrow);  flatten = narrow = None
+        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True, narrow);  flatten = memopt_wta_estimate_0 = narrow = None
         getitem: "i64[8]cpu" = sample[0]
         getitem_1: "f32[8, 16]cpu" = sample[1];  sample = None
-        wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(h, [l_block_modules_q_parameters_weight_, l_block_modules_k_parameters_weight_, l_block_modules_v_parameters_weight_], [l_block_modules_q_parameters_bias_, l_block_modules_k_parameters_bias_, l_block_modules_v_parameters_bias_], [0, 1, 2], getitem, getitem_1, memopt_wta_estimate_0, 'wta_crs:L_block_modules_q_parameters_weight_,L_block_modules_k_parameters_weight_,L_block_modules_v_parameters_weight_', 12);  h = l_block_modules_q_parameters_weight_ = l_block_modules_k_parameters_weight_ = l_block_modules_v_parameters_weight_ = l_block_modules_q_parameters_bias_ = l_block_modules_k_parameters_bias_ = l_block_modules_v_parameters_bias_ = getitem = getitem_1 = memopt_wta_estimate_0 = None
+        wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(h, [l_block_modules_q_parameters_weight_, l_block_modules_k_parameters_weight_, l_block_modules_v_parameters_weight_], [l_block_modules_q_parameters_bias_, l_block_modules_k_parameters_bias_, l_block_modules_v_parameters_bias_], [0, 1, 2], getitem, getitem_1, 'wta_crs:L_block_modules_q_parameters_weight_,L_block_modules_k_parameters_weight_,L_block_modules_v_parameters_weight_', 12);  h = l_block_modules_q_parameters_weight_ = l_block_modules_k_parameters_weight_ = l_block_modules_v_parameters_weight_ = l_block_modules_q_parameters_bias_ = l_block_modules_k_parameters_bias_ = l_block_modules_v_parameters_bias_ = getitem = getitem_1 = None
         getitem_2: "f32[2, 12, 16]cpu" = wta_crs_linears_default[0]
         getitem_3: "f32[2, 12, 16]cpu" = wta_crs_linears_default[1]
         getitem_4: "f32[2, 12, 16]cpu" = wta_crs_linears_default[2];  wta_crs_linears_default = None
@@ -100,10 +100,10 @@ class GraphModule(torch.nn.Module):
         detach_1: "f32[2, 12, 16]cpu" = matmul_1.detach()
         flatten_1: "f32[24, 16]cpu" = detach_1.flatten(0, -2);  detach_1 = None
         narrow_1: "f32[8]cpu" = rand.narrow(0, 8, 8)
-        sample_1 = lowerings_wta_crs_op_sample(flatten_1, memopt_wta_estimate_1, 0.3, 12, True, narrow_1);  flatten_1 = narrow_1 = None
+        sample_1 = lowerings_wta_crs_op_sample(flatten_1, memopt_wta_estimate_1, 0.3, 12, True, narrow_1);  flatten_1 = memopt_wta_estimate_1 = narrow_1 = None
         getitem_5: "i64[8]cpu" = sample_1[0]
         getitem_6: "f32[8, 16]cpu" = sample_1[1];  sample_1 = None
-        wta_crs_linears_default_1 = torch.ops.memopt.wta_crs_linears.default(matmul_1, [l_block_modules_o_parameters_weight_], [l_block_modules_o_parameters_bias_], [0], getitem_5, getitem_6, memopt_wta_estimate_1, 'wta_crs:L_block_modules_o_parameters_weight_', 12);  matmul_1 = l_block_modules_o_parameters_weight_ = l_block_modules_o_parameters_bias_ = getitem_5 = getitem_6 = memopt_wta_estimate_1 = None
+        wta_crs_linears_default_1 = torch.ops.memopt.wta_crs_linears.default(matmul_1, [l_block_modules_o_parameters_weight_], [l_block_modules_o_parameters_bias_], [0], getitem_5, getitem_6, 'wta_crs:L_block_modules_o_parameters_weight_', 12);  matmul_1 = l_block_modules_o_parameters_weight_ = l_block_modules_o_parameters_bias_ = getitem_5 = getitem_6 = None
         getitem_7: "f32[2, 12, 16]cpu" = wta_crs_linears_default_1[0];  wta_crs_linears_default_1 = None
         x: "f32[2, 12, 16]cpu" = l_x_ + getitem_7;  l_x_ = getitem_7 = None
         layer_norm_1: "f32[2, 12, 16]cpu" = torch.nn.functional.layer_norm(x, (16,), l_block_modules_ln2_parameters_weight_, l_block_modules_ln2_parameters_bias_, 1e-05);  l_block_modules_ln2_parameters_weight_ = l_block_modules_ln2_parameters_bias_ = None
@@ -111,20 +111,20 @@ class GraphModule(torch.nn.Module):
         detach_2: "f32[2, 12, 16]cpu" = layer_norm_1.detach()
         flatten_2: "f32[24, 16]cpu" = detach_2.flatten(0, -2);  detach_2 = None
         narrow_2: "f32[8]cpu" = rand.narrow(0, 16, 8)
-        sample_2 = lowerings_wta_crs_op_sample(flatten_2, memopt_wta_estimate_2, 0.3, 12, True, narrow_2);  flatten_2 = narrow_2 = None
+        sample_2 = lowerings_wta_crs_op_sample(flatten_2, memopt_wta_estimate_2, 0.3, 12, True, narrow_2);  flatten_2 = memopt_wta_estimate_2 = narrow_2 = None
         getitem_8: "i64[8]cpu" = sample_2[0]
         getitem_9: "f32[8, 16]cpu" = sample_2[1];  sample_2 = None
-        wta_crs_linears_default_2 = torch.ops.memopt.wta_crs_linears.default(layer_norm_1, [l_block_modules_fc_parameters_weight_], [l_block_modules_fc_parameters_bias_], [0], getitem_8, getitem_9, memopt_wta_estimate_2, 'wta_crs:L_block_modules_fc_parameters_weight_', 12);  layer_norm_1 = l_block_modules_fc_parameters_weight_ = l_block_modules_fc_parameters_bias_ = getitem_8 = getitem_9 = memopt_wta_estimate_2 = None
+        wta_crs_linears_default_2 = torch.ops.memopt.wta_crs_linears.default(layer_norm_1, [l_block_modules_fc_parameters_weight_], [l_block_modules_fc_parameters_bias_], [0], getitem_8, getitem_9, 'wta_crs:L_block_modules_fc_parameters_weight_', 12);  layer_norm_1 = l_block_modules_fc_parameters_weight_ = l_block_modules_fc_parameters_bias_ = getitem_8 = getitem_9 = None
         getitem_10: "f32[2, 12, 64]cpu" = wta_crs_linears_default_2[0];  wta_crs_linears_default_2 = None
         gelu: "f32[2, 12, 64]cpu" = torch._C._nn.gelu(getitem_10);  getitem_10 = None
         memopt_wta_estimate_3: "f32[4096]cpu" = self.memopt_wta_estimate_3
         detach_3: "f32[2, 12, 64]cpu" = gelu.detach()
         flatten_3: "f32[24, 64]cpu" = detach_3.flatten(0, -2);  detach_3 = None
         narrow_3: "f32[8]cpu" = rand.narrow(0, 24, 8);  rand = None
-        sample_3 = lowerings_wta_crs_op_sample(flatten_3, memopt_wta_estimate_3, 0.3, 12, True, narrow_3);  flatten_3 = narrow_3 = None
+        sample_3 = lowerings_wta_crs_op_sample(flatten_3, memopt_wta_estimate_3, 0.3, 12, True, narrow_3);  flatten_3 = memopt_wta_estimate_3 = narrow_3 = None
         getitem_11: "i64[8]cpu" = sample_3[0]
         getitem_12: "f32[8, 64]cpu" = sample_3[1];  sample_3 = None
-        wta_crs_linears_default_3 = torch.ops.memopt.wta_crs_linears.default(gelu, [l_block_modules_proj_parameters_weight_], [l_block_modules_proj_parameters_bias_], [0], getitem_11, getitem_12, memopt_wta_estimate_3, 'wta_crs:L_block_modules_proj_parameters_weight_', 12);  gelu = l_block_modules_proj_parameters_weight_ = l_block_modules_proj_parameters_bias_ = getitem_11 = getitem_12 = memopt_wta_estimate_3 = None
+        wta_crs_linears_default_3 = torch.ops.memopt.wta_crs_linears.default(gelu, [l_block_modules_proj_parameters_weight_], [l_block_modules_proj_parameters_bias_], [0], getitem_11, getitem_12, 'wta_crs:L_block_modules_proj_parameters_weight_', 12);  gelu = l_block_modules_proj_parameters_weight_ = l_block_modules_proj_parameters_bias_ = getitem_11 = getitem_12 = None
         getitem_13: "f32[2, 12, 16]cpu" = wta_crs_linears_default_3[0];  wta_crs_linears_default_3 = None
         add_1: "f32[2, 12, 16]cpu" = x + getitem_13;  x = getitem_13 = None
         sum_1: "f32[]cpu" = add_1.sum();  add_1 = None
@@ -209,10 +209,10 @@ class GraphModule(torch.nn.Module):
         detach: "f32[24, 16]cpu" = view.detach()
         flatten: "f32[24, 16]cpu" = detach.flatten(0, -2);  detach = None
         narrow: "f32[8]cpu" = rand.narrow(0, 0, 8);  rand = None
-        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True, narrow);  flatten = narrow = None
+        sample = lowerings_wta_crs_op_sample(flatten, memopt_wta_estimate_0, 0.3, 12, True, narrow);  flatten = memopt_wta_estimate_0 = narrow = None
         getitem: "i64[8]cpu" = sample[0]
         getitem_1: "f32[8, 16]cpu" = sample[1];  sample = None
-        wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(view, [t], [l_bias_], [0], getitem, getitem_1, memopt_wta_estimate_0, 'wta_crs:L_weight_', 12);  view = t = l_bias_ = getitem = getitem_1 = memopt_wta_estimate_0 = None
+        wta_crs_linears_default = torch.ops.memopt.wta_crs_linears.default(view, [t], [l_bias_], [0], getitem, getitem_1, 'wta_crs:L_weight_', 12);  view = t = l_bias_ = getitem = getitem_1 = None
         getitem_2: "f32[24, 48]cpu" = wta_crs_linears_default[0];  wta_crs_linears_default = None
         view_1: "f32[2, 12, 48]cpu" = getitem_2.view(2, 12, 48);  getitem_2 = None
         sum_1: "f32[]cpu" = view_1.sum();  view_1 = None

@@ -215,7 +215,7 @@ def test_opcheck(dtype):
     estimate = torch.zeros(reference.MAX_POSITIONS)
     index, rows = sample(x.detach().reshape(-1, 8), estimate, 0.5, 20, True)
     torch.library.opcheck(
-        torch.ops.memopt.wta_crs_linears.default, (x, [w], [b], [0], index, rows, estimate, "tests:opcheck", 20)
+        torch.ops.memopt.wta_crs_linears.default, (x, [w], [b], [0], index, rows, "tests:opcheck", 20)
     )
 
 
@@ -322,6 +322,28 @@ def test_positions_past_the_last_slot_share_it():
     last = reference.MAX_POSITIONS - 1
     assert estimate.values[5] == 5
     torch.testing.assert_close(estimate.values[last], torch.tensor(float(last + 1)))  # mean of last, last+1, last+2
+
+
+@pytest.mark.parametrize(
+    ("period", "sequences", "seen"),
+    [(12, 5, False), (12, 5, True), (1, 37, True), (reference.MAX_POSITIONS + 5, 2, True)],
+)
+def test_update_estimate_kernel_is_the_reference_update(period, sequences, seen):
+    """One launch folds a step's row norms into the estimate in place as the reference's update does: per-position
+    means over the sequences, the tail past the last slot averaged into it, the moving average where a position
+    was seen, untouched slots beyond the period (flat tokens: one position)."""
+    pytest.importorskip("triton")
+    from lowerings.wta_crs import kernels
+
+    gen = torch.Generator().manual_seed(period + sequences)
+    norms = torch.rand(period * sequences, generator=gen) * 3
+    values = torch.zeros(reference.MAX_POSITIONS)
+    if seen:
+        values[::2] = torch.rand(values[::2].shape, generator=gen) + 0.5
+    expected = reference.GradNormEstimate(values.clone()).updated(norms, period)
+    target = values.to(KERNELS_ON)
+    kernels.update_estimate(target, norms.to(KERNELS_ON), period, reference.EMA_DECAY)
+    torch.testing.assert_close(target.cpu(), expected, rtol=1e-5, atol=1e-6)
 
 
 def check_sample(scores: torch.Tensor, uniforms: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
