@@ -20,12 +20,12 @@ fail every later backward's saved-tensor version check. The estimate only steers
 later call of one step reads never biases a gradient.
 
 The linears form an opaque op; the backward is ordinary PyTorch, which AOTAutograd traces into the compiled
-graph, except the estimate's update (the store). The sample enters the graph one of two ways (``Config.wta_crs_sampling``): traced (``sample`` itself:
-Inductor fuses its row norms and gather with the layer around them, and only the draw is a call at training
-time) or opaque (``memopt::wta_crs_sample``, which runs ``sample``
-as it is at training time and gives Inductor nothing to compile). The draw itself
-(scores from the estimate, winners, then draws with replacement) is ``memopt::wta_crs_draw``, opaque in both:
-on CUDA one Triton program, where the sorted PyTorch rule took a top-k and about fifteen launches.
+graph, except the estimate's update (the store). The sample enters the graph one of two ways
+(``Config.wta_crs_sampling``): traced (``sample`` itself: Inductor fuses its row norms and gather with the
+layer around them, and only the draw is a call at training time) or opaque (``memopt::wta_crs_sample``, which
+runs ``sample`` as it is at training time and gives Inductor nothing to compile). The draw itself (scores from
+the estimate, winners, then draws with replacement) is ``memopt::wta_crs_draw``, opaque in both: on CUDA one
+Triton program, where the sorted PyTorch rule took a top-k and about fifteen launches.
 Randomness comes from torch's generator (Inductor's when compiled): fresh draws each step, reproducible
 under ``torch.manual_seed``, fixed shapes, CUDA-graph safe.
 """
