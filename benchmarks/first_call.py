@@ -4,10 +4,11 @@
 
 A user pays compilation on every start: cold the first time, then from Inductor's on-disk caches (FX graph,
 AOTAutograd, compiled kernels). Each variant (torch.compile, memopt, memopt + WTA-CRS 0.3) runs in its own
-process over its own fresh cache directory: first every variant cold, then every variant again, warm. A process
-builds the model (``benchmarks/e2e.py``'s builder), compiles it whole as users do, and times its first forward +
-backward; it also reports the AOTAutograd cache's verdict (hit, miss or bypass), since a bypassed graph is traced
-again on every start.
+process over its own fresh cache directories (Inductor's and Triton's): first every variant cold, then every
+variant again, warm. A process builds the model (``benchmarks/e2e.py``'s builder), compiles it whole as users
+do, and times its first forward + backward. It also reports the AOTAutograd cache's verdict (hit, miss or
+bypass), since a bypassed graph is traced again on every start, the seconds of each compile phase and the
+number of kernels Inductor generated.
 """
 
 from __future__ import annotations
@@ -83,7 +84,14 @@ def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
         sys.executable, __file__, "--child", variant, "--models", args.models, "--attention", args.attention,
         "--dropout", args.dropout, "--batch", str(args.batch), "--seq", str(args.seq),
     ] + (["--tiny"] if args.tiny else []) + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # Triton's own cache too: memopt launches some kernels eagerly (opaque ops), which Triton's JIT would
+    # otherwise compile into ~/.triton once for every variant that runs after the first
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+        "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton"),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     row = json.loads(lines[-1]) if done.returncode == 0 and lines else {"variant": variant, "error": done.stderr[-500:]}
