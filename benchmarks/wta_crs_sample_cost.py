@@ -1,5 +1,6 @@
 """CPU time of one eager WTA-CRS sample and of each of its calls: what ``wta_crs_sampling="opaque"`` adds to a
-step for every group, since the opaque op runs them at training time.
+step for every group, since the opaque op runs them at training time; and of the two opaque calls a traced
+group makes every step (the draw, and the estimate's update in the backward).
 
     python benchmarks/wta_crs_sample_cost.py                           # GPT-2 small's 16 × 1024 × 768
     python benchmarks/wta_crs_sample_cost.py --rows 8192 --dim 2048 --budget 0.3
@@ -48,6 +49,10 @@ def calls(rows: int, dim: int, budget: float, period: int) -> dict[str, Callable
             scores, uniforms, True, estimate=estimate, period=period
         ),
         "kernels.gather_rows": lambda: kernels.gather_rows(x, index, weight),
+        "torch.ops.memopt.wta_crs_store (the backward's one call a group)": lambda: torch.ops.memopt.wta_crs_store(
+            scores, "benchmarks:sample_cost", period
+        ),
+        "kernels.update_estimate": lambda: kernels.update_estimate(estimate, scores, period, reference.EMA_DECAY),
         "torch.rand": lambda: torch.rand(k, device="cuda"),
         "reference.sample_size": lambda: reference.sample_size(rows, budget),
     }
