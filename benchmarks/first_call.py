@@ -73,7 +73,8 @@ def compile_phases() -> dict[str, float]:
 
 
 def generated_kernels() -> int:
-    """Kernels Inductor generated in this process (each one compiled, unless its source was cached)."""
+    """Inductor's ``metrics.generated_kernel_count`` for this process: kernels its code generation created
+    (candidates it benchmarked included), a measure of the codegen work a graph costs."""
     from torch._inductor import metrics
 
     return int(metrics.generated_kernel_count)

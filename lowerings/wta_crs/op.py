@@ -43,8 +43,9 @@ if HAS_TRITON:
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
-    """Hand-written kernels for eager CUDA calls. While a graph is traced, the PyTorch reference goes in
-    instead, and Inductor fuses it with its neighbours into kernels of its own."""
+    """Hand-written kernels for eager CUDA calls (and inside the opaque ops, which always run eagerly). While a
+    graph is traced, the PyTorch reference goes in instead, and Inductor fuses it with its neighbours into
+    kernels of its own."""
     return HAS_TRITON and on_cuda(x) and not interpreting() and torch._guards.detect_fake_mode((x,)) is None
 
 
@@ -115,7 +116,7 @@ def wta_crs_draw(
     torch._check(norms.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: norms and uniforms are 1-D")
     torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
     norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
-    if HAS_TRITON and on_cuda(norms, estimate, uniforms):
+    if _use_kernels(norms):
         return kernels.draw(norms, uniforms, winners, estimate=estimate.float().contiguous(), period=period)
     positions = reference.positions_of(norms.numel(), period, norms.device)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(positions)
@@ -214,7 +215,7 @@ def wta_crs_store(norms: torch.Tensor, key: str, period: int) -> None:
     effect so that no pass drops it for having no output (``keep_side_effect``)."""
     target = state.estimate(key, norms.device).values
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
-        if HAS_TRITON and on_cuda(norms, target) and not interpreting():
+        if _use_kernels(norms):
             kernels.update_estimate(target, norms.float().contiguous(), period, reference.EMA_DECAY)
         else:
             target.copy_(reference.GradNormEstimate(target).updated(norms, period))
