@@ -13,6 +13,12 @@ per chunk size, and one chunk's parts (logits GEMM, chunk kernel, ∂E GEMM, ∂
 accumulator), against 6·N·D·V at cuBLAS's square-GEMM rate. The best becomes ``rowwise.CHUNK_BYTES``.
 ``--profile`` then lists the device time of every kernel in three steps of the op at its own chunking, beside
 torch.compile's linear + cross-entropy: where the whole op's time goes beyond the sum of its parts.
+
+    python benchmarks/cce_tune.py --chunk-kernel --tokens 2048 --vocab 128256,50257
+
+``--chunk-kernel`` times the row-wise op's chunk kernel alone (``rowwise_kernel.row_gradient_``) over one chunk of
+``--tokens`` rows for each tile width and warp count, in GB/s of its two reads and one write; the fastest become
+``rowwise_kernel.BLOCK_V`` and ``NUM_WARPS``.
 """
 
 from __future__ import annotations
@@ -54,13 +60,20 @@ def _bench(fn) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=256000)
+    parser.add_argument("--vocab", default="256000", help="a vocabulary (several, by commas, for --chunk-kernel)")
     parser.add_argument("--dim", type=int, default=2304)
     parser.add_argument("--chunk", type=int, default=4096)
     parser.add_argument("--rowwise", action="store_true", help="sweep the row-wise op's rows per chunk")
     parser.add_argument("--rows", default="512,1024,2048,4096", help="rows per chunk for --rowwise")
     parser.add_argument("--profile", action="store_true", help="with --rowwise: kernel times, op against torch.compile")
+    parser.add_argument("--chunk-kernel", action="store_true", help="sweep the row-wise chunk kernel's tiles")
     args = parser.parse_args(argv)
+    vocabs = [int(v) for v in args.vocab.split(",")]
+    if args.chunk_kernel:
+        for vocab in vocabs:
+            _chunk_kernel_sweep(args.tokens, vocab)
+        return None
+    args.vocab = vocabs[0]
     if args.rowwise:
         rows = [int(r) for r in args.rows.split(",")] if args.rows else []
         _rowwise_sweep(args.tokens, args.vocab, args.dim, rows)
@@ -155,6 +168,36 @@ def _rowwise_sweep(n: int, v: int, d: int, chunk_rows: list[int]) -> None:
         except Exception as error:  # an allocation too large for the device must not end the sweep
             print(f"rows {rows}: failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}", flush=True)
     rowwise.chunk_rows = original
+
+
+def _chunk_kernel_sweep(rows: int, vocab: int) -> None:
+    """The chunk kernel over a [rows, V] bf16 chunk laid out as the op lays it out (rows padded to 64 columns),
+    for each tile width and warp count, with and without label smoothing and a softcap."""
+    from lowerings.cce import rowwise, rowwise_kernel
+
+    width = rowwise.padded_vocab(vocab)
+    padded = (3 * torch.randn(rows, width, device="cuda")).bfloat16()
+    logits = padded[:, :vocab]
+    targets = torch.randint(0, vocab, (rows,), device="cuda")
+    scale = torch.full((1,), 1.0 / rows, device="cuda")
+    gigabytes = 3 * rows * vocab * 2 / 1e9  # two reads and one write of 16-bit logits
+    original = rowwise_kernel.BLOCK_V, rowwise_kernel.NUM_WARPS
+    for smoothing, softcap in [(0.0, None), (0.1, 30.0)]:
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                rowwise_kernel.BLOCK_V, rowwise_kernel.NUM_WARPS = block, warps
+                run = functools.partial(rowwise.row_gradient_, logits, targets, -100, smoothing, softcap, scale)
+                try:
+                    ms = _bench(run)
+                except Exception as error:  # a tile too large for the registers must not end the sweep
+                    print(f"V={vocab} block {block} warps {warps}: failed: {type(error).__name__}", flush=True)
+                    continue
+                print(
+                    f"V={vocab} rows={rows} smoothing={smoothing} softcap={softcap} block {block} warps {warps}: "
+                    f"{ms:.3f} ms, {gigabytes / ms * 1e3:.0f} GB/s",
+                    flush=True,
+                )
+    rowwise_kernel.BLOCK_V, rowwise_kernel.NUM_WARPS = original
 
 
 def _rowwise_profile(n: int, v: int, d: int, steps: int = 3) -> None:

@@ -41,7 +41,9 @@ SCALAR_REDUCTIONS = ("mean", "sum")
 # A chunk of rows holds its logits and their fp32 copy within 1/FRACTION of the N×V logits (4: each chunk adds
 # its product into the fp32 ∂C, so fewer chunks mean fewer passes over it; 1022 → 2048 rows took V = 128256 from
 # 27.5 to 24.7 ms on the H200, `benchmarks/cce_tune.py --rowwise`), under CHUNK_BYTES
-# (larger on CUDA, where GEMMs want a few hundred rows), and is at least one row.
+# (larger on CUDA, where GEMMs want a few hundred rows) or under ∂C's size in the input dtype where that is larger
+# (the backward holds that cast beside the fp32 ∂C, so a chunk up to its size adds nothing to the op's peak:
+# V = 256000, D = 2304 then takes 4 chunks instead of 7), and is at least one row.
 FRACTION = 4
 CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 # Where the op returns the logits, a chunk's buffer is held beside all of them rather than in their place, at the
@@ -71,11 +73,19 @@ def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
 
 
 def chunk_rows(
-    n_rows, vocab, dtype: torch.dtype, device_type: str, in_place: bool = False, returns_logits: bool = False
+    n_rows,
+    vocab,
+    dtype: torch.dtype,
+    device_type: str,
+    in_place: bool = False,
+    returns_logits: bool = False,
+    gradient_bytes=0,
 ):
-    """Rows per chunk (SymInts give a symbolic answer)."""
+    """Rows per chunk (SymInts give a symbolic answer). ``gradient_bytes``: ∂C's size in the input dtype where the
+    op takes ∂C (0 otherwise), a ceiling that costs no peak."""
     fraction = RETURNED_FRACTION if returns_logits else FRACTION
-    share = torch.sym_min(n_rows * vocab * dtype.itemsize // fraction, CHUNK_BYTES.get(device_type, 32 << 20))
+    ceiling = torch.sym_max(CHUNK_BYTES.get(device_type, 32 << 20), gradient_bytes)
+    share = torch.sym_min(n_rows * vocab * dtype.itemsize // fraction, ceiling)
     fits = share // chunk_bytes_per_row(vocab, dtype, in_place)
     if returns_logits and device_type == "cuda":  # (a power of two, so usually a divisor of the rows as it is)
         return torch.sym_max(1, torch.sym_min(n_rows, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, MIN_GEMM_ROWS)))
@@ -88,6 +98,11 @@ def chunk_rows(
     even = -(-n_rows // torch.sym_max(1, chunks))  # ceil(rows / chunks)
     balanced = -(-even // unit) * unit
     return torch.sym_max(1, torch.sym_min(n_rows, balanced))
+
+
+def _gradient_bytes(vocab, dim, dtype: torch.dtype, need_weight: bool):
+    """∂C [V, D] in the input dtype where the op takes it: the backward's cast of the fp32 sum, alive beside it."""
+    return vocab * dim * dtype.itemsize if need_weight else 0
 
 
 def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> bool:
@@ -130,7 +145,8 @@ def working_set(
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
     in_place = _kernel_serves(device.type, dtype, bias_grad=need_bias)
-    rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits)
+    cast_bytes = _gradient_bytes(vocab, dim, dtype, need_weight)
+    rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
     terms: dict[str, object] = {}
     if in_place:
         terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
@@ -233,7 +249,8 @@ def cce_rowwise(
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
     fused = _kernel_serves(hidden.device.type, hidden.dtype, bias_grad=bool(grad_bias.numel()))
-    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused, return_logits))
+    cast_bytes = _gradient_bytes(vocab, hidden.shape[1], hidden.dtype, need_weight)
+    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused, return_logits, cast_bytes))
     all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
     chunk_buffer = None
     if all_logits is not None and n_rows:  # one chunk's gradient at a time; its padding columns stay zero

@@ -163,6 +163,21 @@ def test_chunks_are_balanced(n_rows, vocab, rows):
     assert n_rows - (chunks - 1) * rows >= rows // 2
 
 
+def test_chunk_may_grow_to_the_cast_gradient():
+    """Where ∂C in the input dtype is larger than CHUNK_BYTES, a chunk may be as large: the backward holds that
+    cast beside the fp32 ∂C anyway (V = 256000, D = 2304: 4 chunks instead of 7); the rule is charged the same."""
+    cast = 256000 * 2304 * 2
+    assert rowwise.chunk_rows(8192, 256000, torch.bfloat16, "cuda", True, False, cast) == 2048
+    assert rowwise.chunk_rows(8192, 128256, torch.bfloat16, "cuda", True, False, 128256 * 2048 * 2) == 2048
+    assert rowwise.chunk_rows(8192, 256000, torch.bfloat16, "cuda", True, False, 0) == 1216  # no ∂C: the cap
+    if rowwise.HAS_TRITON:
+        terms = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, True, False))
+        chunk = terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"]
+        assert chunk == 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, in_place=True) <= cast * 5 // 4
+        no_weight = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, False, False))
+        assert no_weight["transient: one chunk of logits, turned into their gradient in place [rows, V]"] < chunk
+
+
 def test_chunk_beside_returned_logits_is_small():
     """Returning its logits, the op holds a chunk beside all of them: 1/16 of them, but at least the rows that
     keep ∂C's GEMM compute-bound (on CUDA); on CPU no floor."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowerings.cce import rowwise
+from lowerings.cce import rowwise, rowwise_kernel
 from lowerings.cce.rowwise_kernel import row_gradient_, scaled_copy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,6 +49,40 @@ def test_equals_the_pytorch_chunk_path_in_16_bit(dtype):
     losses = row_gradient_(work, targets, -100, 0.1, None, torch.ones(1, device=DEVICE))
     torch.testing.assert_close(losses.sum(), loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(work.float(), grad.to(dtype).float(), rtol=0, atol=torch.finfo(dtype).eps * 2)
+
+
+@pytest.mark.parametrize("vocab", [256, 300])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_rows_of_several_tiles(monkeypatch, vocab, label_smoothing):
+    """Rows longer than a tile: unmasked tiles, then a masked last tile (300) or none (256, a multiple of the
+    tile), with the target in any tile; against float64 autograd."""
+    monkeypatch.setattr(rowwise_kernel, "BLOCK_V", 64)
+    logits, targets = _logits(rows=7, vocab=vocab), _targets(rows=7, vocab=vocab)
+    targets[0], targets[2] = vocab - 1, 63  # the last column, and a tile's last column
+    x = logits.double().requires_grad_()
+    expected = F.cross_entropy(x, targets, label_smoothing=label_smoothing, reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected.sum() * 0.5, x)
+    work = logits.clone()
+    losses = row_gradient_(work, targets, -100, label_smoothing, None, torch.tensor([0.5], device=DEVICE))
+    torch.testing.assert_close(losses.double(), expected.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(work.double(), expected_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_minus_infinity_logits_like_pytorch(monkeypatch):
+    """Masked-out vocabulary entries (logits of -inf, as a -inf bias gives), a whole first tile of them among
+    them: they take no probability and get a zero gradient, as in PyTorch."""
+    monkeypatch.setattr(rowwise_kernel, "BLOCK_V", 64)
+    logits, targets = _logits(rows=4, vocab=300), _targets(rows=4, vocab=300, ignored=())
+    logits[:, :64] = float("-inf")
+    logits[:, 200:230] = float("-inf")
+    targets[:] = torch.tensor([64, 100, 299, 150])
+    x = logits.double().requires_grad_()
+    expected = F.cross_entropy(x, targets, reduction="none")
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    work = logits.clone()
+    losses = row_gradient_(work, targets, -100, 0.0, None, torch.ones(1, device=DEVICE))
+    torch.testing.assert_close(losses.double(), expected.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(work.double(), expected_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_every_row_ignored_and_an_empty_chunk():
