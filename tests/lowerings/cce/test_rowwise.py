@@ -14,14 +14,22 @@ N, V, D = 23, 37, 8
 FP64 = {"rtol": 1e-10, "atol": 1e-10}
 
 
-def _inputs(dtype: torch.dtype, bias: bool):
+def _kernel_device() -> str:
+    """Where the chunk kernel runs in these tests: CPU tensors under Triton's interpreter (no GPU), else CUDA,
+    where the driver cannot take CPU tensors."""
+    from lowerings._library import interpreting
+
+    return "cpu" if interpreting() or not torch.cuda.is_available() else "cuda"
+
+
+def _inputs(dtype: torch.dtype, bias: bool, device: str = "cpu"):
     gen = torch.Generator().manual_seed(7)
     tensors = [torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen) / D**0.5]
     if bias:
         tensors.append(torch.randn(V, generator=gen))
     targets = torch.randint(0, V, (N,), generator=gen)
     targets[::5] = -100
-    return [t.to(dtype).requires_grad_() for t in tensors], targets
+    return [t.to(dtype).to(device).requires_grad_() for t in tensors], targets.to(device)
 
 
 def _ours(leaves, targets, reduction, smoothing=0.0, softcap=None, needs=None):
@@ -201,7 +209,7 @@ def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
         pytest.skip("Triton is not installed")
     monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype, bias_grad: not bias_grad)
     monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
-    leaves, targets = _inputs(torch.float32, bias=False)
+    leaves, targets = _inputs(torch.float32, bias=False, device=_kernel_device())
     exact = [t.detach().double().requires_grad_() for t in leaves]
     loss, expected = _ours(leaves, targets, reduction, smoothing, softcap), _eager(exact, targets, reduction,
                                                                                    smoothing, softcap)
@@ -277,7 +285,7 @@ def test_returned_logits(monkeypatch, kernel, bias, smoothing, softcap):
         monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype, bias_grad: not bias_grad)
     monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
     dtype = torch.float32 if kernel else torch.float64
-    leaves, targets = _inputs(dtype, bias)
+    leaves, targets = _inputs(dtype, bias, _kernel_device() if kernel else "cpu")
     h, w, *b = leaves
     loss, *_, logits = torch.ops.memopt.cce_rowwise(
         h, w, b[0] if b else None, targets, -100, "mean", smoothing, softcap, True, True, bias, True
