@@ -63,6 +63,9 @@ class _CompileOnlyUtils:
         RESOURCES.setdefault(name, set()).add((registers, stack))
         return 0, 0, registers, stack, 1024
 
+    def unload_module(self, module) -> None:  # a forgotten kernel unloads its (never loaded) module
+        return None
+
 
 class CompileOnlyDriver:
     """Triton driver for an sm_90 device that compiles every launch and runs none."""
@@ -98,7 +101,7 @@ def forget_compiled() -> None:
     from triton.runtime.jit import JITFunction
 
     for name, module in list(sys.modules.items()):
-        if name.startswith("lowerings.") and name.endswith("kernels"):
+        if name.startswith("lowerings.") and name.endswith(("kernel", "kernels")):
             for value in vars(module).values():
                 if isinstance(value, JITFunction) and hasattr(value, "device_caches"):
                     value.device_caches.clear()
@@ -134,14 +137,32 @@ def _cross_entropy(dtype: torch.dtype, softcap: float | None, filter_eps: float 
     return run
 
 
-def _wta_crs(winners: bool) -> Callable[[], None]:
+def _wta_crs(winners: bool, estimate: bool = False) -> Callable[[], None]:
     def run() -> None:
         from lowerings.wta_crs import kernels
 
         x = torch.randn(300, 40, dtype=torch.bfloat16)
         scores = kernels.row_norms(x)
-        index, weight = kernels.draw(scores.float(), torch.rand(90), winners)
+        looked_up = {"estimate": torch.ones(64), "period": 64} if estimate else {}
+        index, weight = kernels.draw(scores.float(), torch.rand(90), winners, **looked_up)
         kernels.gather_rows(x, index, weight)
+        if estimate:
+            kernels.update_estimate(torch.ones(64), scores.float(), 64, 0.9)
+
+    return run
+
+
+def _cce_rowwise(dtype: torch.dtype, vocab: int, smoothing: float, softcap: float | None) -> Callable[[], None]:
+    """The row-wise op's chunk kernel on a chunk laid out as the op lays it (rows padded to 64 columns), and the
+    backward's scale-and-cast."""
+
+    def run() -> None:
+        from lowerings.cce import rowwise, rowwise_kernel
+
+        padded = torch.randn(8, rowwise.padded_vocab(vocab), dtype=dtype)
+        targets = torch.randint(0, vocab, (8,))
+        rowwise_kernel.row_gradient_(padded[:, :vocab], targets, -100, smoothing, softcap, torch.ones(1))
+        rowwise_kernel.scaled_copy(torch.randn(vocab, 16), torch.ones(()), dtype)
 
     return run
 
@@ -166,6 +187,10 @@ def cases() -> dict[str, Callable[[], None]]:
         "cross-entropy fp32": _cross_entropy(torch.float32, None),
         "wta-crs draw, norms, gather": _wta_crs(True),
         "wta-crs draw without winners (plain CRS)": _wta_crs(False),
+        "wta-crs draw with the estimate's lookup, estimate update": _wta_crs(True, estimate=True),
+        "cce row-wise chunk kernel bf16, odd vocabulary": _cce_rowwise(torch.bfloat16, 50257, 0.0, None),
+        "cce row-wise chunk kernel fp16, smoothing and softcap": _cce_rowwise(torch.float16, 4096, 0.1, 30.0),
+        "cce row-wise chunk kernel fp32": _cce_rowwise(torch.float32, 3000, 0.0, None),
     }
 
 
