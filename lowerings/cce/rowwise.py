@@ -15,8 +15,9 @@ rule charges them and picks this variant only where they are worth it (``fxpass/
 
 Both devices run the op's chunk loop in an opaque op (it must not be traced: it would guard on the number of
 rows). On CUDA a Triton kernel (``rowwise_kernel.py``) takes a chunk's loss terms and gradient in two reads and
-one write of its logits, where the PyTorch path (CPU, and a bias that wants its gradient) makes about eight
-fp32 passes. Gradients the graph does not need are not computed (``need_*`` come from the rule).
+one write of its logits, where the PyTorch path (CPU, fp64) makes about eight fp32 passes; a bias's gradient
+is the column sums of what the kernel writes. Gradients the graph does not need are not computed (``need_*``
+come from the rule).
 
 ``return_logits``: a whole model compiled as it is returns its logits beside the loss. The op then forms all the
 logits with one GEMM (rows padded to 64 columns, as Inductor pads them) and returns them, and each chunk's
@@ -105,10 +106,10 @@ def _gradient_bytes(vocab, dim, dtype: torch.dtype, need_weight: bool):
     return vocab * dim * dtype.itemsize if need_weight else 0
 
 
-def _kernel_serves(device_type: str, dtype: torch.dtype, bias_grad: bool) -> bool:
+def _kernel_serves(device_type: str, dtype: torch.dtype) -> bool:
     """The chunk kernel (``rowwise_kernel.py``) replaces the PyTorch chunk path on CUDA for 16-bit and fp32
-    inputs, unless the bias wants its gradient (an fp32 column sum the kernel does not form)."""
-    return HAS_TRITON and device_type == "cuda" and dtype != torch.float64 and not bias_grad
+    inputs; a bias's gradient is then the column sums of the gradient it writes (``_add_bias_gradient_``)."""
+    return HAS_TRITON and device_type == "cuda" and dtype != torch.float64
 
 
 def _accumulates_in_fp32(device_type: str) -> bool:
@@ -144,7 +145,7 @@ def working_set(
     memory model."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
-    in_place = _kernel_serves(device.type, dtype, bias_grad=need_bias)
+    in_place = _kernel_serves(device.type, dtype)
     cast_bytes = _gradient_bytes(vocab, dim, dtype, need_weight)
     rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
     terms: dict[str, object] = {}
@@ -162,6 +163,8 @@ def working_set(
         terms["transient: the classifier and its bias, zero-padded to a multiple of 64 rows"] = (
             width * (dim + 1) * dtype.itemsize
         )
+    if need_bias and in_place:
+        terms["transient: a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (width * dim * acc if need_weight else 0)
     saved = saved + (vocab * acc if need_bias else 0)
     terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
@@ -248,7 +251,7 @@ def cce_rowwise(
     scale = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
-    fused = _kernel_serves(hidden.device.type, hidden.dtype, bias_grad=bool(grad_bias.numel()))
+    fused = _kernel_serves(hidden.device.type, hidden.dtype)
     cast_bytes = _gradient_bytes(vocab, hidden.shape[1], hidden.dtype, need_weight)
     step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused, return_logits, cast_bytes))
     all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
@@ -268,6 +271,8 @@ def cce_rowwise(
         if fused:  # loss terms and the scaled gradient in one kernel (in place unless the logits are returned)
             terms = row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale, source)
             total += terms.sum()
+            if grad_bias.numel():  # from the gradient as the GEMMs see it, rounded, as the eager backward sums it
+                grad_bias += logits.sum(dim=0, dtype=acc)
         else:
             chunk_loss, grad = _chunk_gradient(
                 logits if source is None else source, targets[rows], ignore_index, label_smoothing, softcap
@@ -278,7 +283,7 @@ def cce_rowwise(
             torch.mm(padded, weight_rows, out=grad_hidden[rows])
         if need_weight:
             _add_product_(grad_weight_rows, padded.t(), hidden[rows], first=start == 0)
-        if grad_bias.numel():  # (never with the kernel: ``_kernel_serves``)
+        if grad_bias.numel() and not fused:
             grad_bias += grad.sum(dim=0)
         # drop this chunk's buffers before the next chunk's GEMM allocates, or two chunks are alive at once
         padded = logits = grad = None

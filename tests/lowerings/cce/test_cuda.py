@@ -69,7 +69,7 @@ def test_rowwise_no_worse_than_eager_same_dtype(monkeypatch, dtype, weight_dtype
     loss, dE and dC within the bf16/fp16 baseline's error against fp32 math."""
     from lowerings.cce import rowwise
 
-    assert rowwise._kernel_serves("cuda", dtype, bias_grad=False)
+    assert rowwise._kernel_serves("cuda", dtype)
     monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 300)  # 1000 rows: four chunks, the last ragged
     hidden, weight, _, targets = _lm_batch(1000, 5003, 256, dtype)
     if weight_dtype == "float32":

@@ -200,19 +200,21 @@ def test_chunk_beside_returned_logits_is_small():
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize(("smoothing", "softcap"), [(0.0, None), (0.1, 4.0)])
-def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap):
-    """The op with its CUDA chunk kernel (here through Triton's interpreter, forced on): fp32 loss and gradients
-    equal float64 math, over ragged chunks."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap, bias):
+    """The op with its CUDA chunk kernel (here through Triton's interpreter, forced on): fp32 loss and gradients,
+    the bias's (column sums of what the kernel writes) among them, equal float64 math, over ragged chunks."""
     from lowerings._library import HAS_TRITON
 
     if not HAS_TRITON:
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype, bias_grad: not bias_grad)
+    monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype: True)
     monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
-    leaves, targets = _inputs(torch.float32, bias=False, device=_kernel_device())
+    leaves, targets = _inputs(torch.float32, bias=bias, device=_kernel_device())
     exact = [t.detach().double().requires_grad_() for t in leaves]
     loss, expected = _ours(leaves, targets, reduction, smoothing, softcap), _eager(exact, targets, reduction,
                                                                                    smoothing, softcap)
+    assert len(leaves) == 3 if bias else len(leaves) == 2
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
     for mine, wanted in zip(torch.autograd.grad(loss, leaves), torch.autograd.grad(expected, exact), strict=True):
         torch.testing.assert_close(mine.double(), wanted, rtol=1e-4, atol=1e-6)
@@ -280,9 +282,9 @@ def test_returned_logits(monkeypatch, kernel, bias, smoothing, softcap):
     from lowerings._library import HAS_TRITON
 
     if kernel:
-        if not HAS_TRITON or bias:
-            pytest.skip("the chunk kernel needs Triton and serves no bias gradient")
-        monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype, bias_grad: not bias_grad)
+        if not HAS_TRITON:
+            pytest.skip("the chunk kernel needs Triton")
+        monkeypatch.setattr(rowwise, "_kernel_serves", lambda device_type, dtype: True)
     monkeypatch.setattr(rowwise, "chunk_rows", lambda *_: 7)
     dtype = torch.float32 if kernel else torch.float64
     leaves, targets = _inputs(dtype, bias, _kernel_device() if kernel else "cpu")
