@@ -36,11 +36,17 @@ from lowerings.cce import kernels
 
 TILE_CONFIGS = [
     (128, 256, 64, 8, 3),
+    (128, 256, 64, 8, 4),
+    (128, 256, 32, 8, 5),
     (256, 128, 64, 8, 3),
     (256, 128, 64, 8, 4),
+    (256, 128, 32, 8, 4),
     (256, 128, 32, 8, 5),
+    (256, 128, 32, 8, 6),
+    (256, 256, 32, 8, 3),
     (256, 64, 64, 8, 4),
     (128, 128, 64, 4, 4),
+    (128, 128, 64, 8, 5),
 ]
 PRODUCT_CONFIGS = [
     (128, 128, 64, 8, 3),
@@ -100,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                 lambda config=config, grid=grid: kernels._grad_logits_kernel[grid](
                     e, c, None, t, lse, grad_rows, zeros, g, None, None, n, v, d, 0, chunk,
                     e.stride(0), e.stride(1), c.stride(0), c.stride(1), g.stride(0), 1.0, 0.0, 1.0, 0.0,
-                    HAS_BIAS=False, HAS_SOFTCAP=False, IEEE=False, FILTER=False, ROUND=False, **config,
+                    HAS_BIAS=False, HAS_SOFTCAP=False, IEEE=False, FILTER=False, ROUND=False, EVEN_D=d % bd == 0,
+                    **config,
                 )
             )
             print(

@@ -8,7 +8,8 @@ process over its own fresh cache directories (Inductor's and Triton's): first ev
 variant again, warm. A process builds the model (``benchmarks/e2e.py``'s builder), compiles it whole as users
 do, and times its first forward + backward. It also reports the AOTAutograd cache's verdict (hit, miss or
 bypass), since a bypassed graph is traced again on every start, the seconds of each compile phase and the
-number of kernels Inductor generated.
+number of kernels Inductor generated, and the Triton kernels the process JIT-compiled itself (memopt's opaque ops
+launch theirs eagerly, compiled at their first launch, where Inductor compiles its own in a pool of workers).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def child(
 
     from benchmarks import e2e
 
+    jit_compiles = record_jit_compiles()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = e2e.build_model(model_name, attention, dropout, tiny, layers=layers).to(device)
@@ -59,7 +61,31 @@ def child(
     return {
         "variant": variant, "first_call_s": row.first_call_s, "rewrites": row.rewrites, "aot_autograd_cache": cache,
         "phases_s": compile_phases(), "kernels_generated": generated_kernels(),
+        "jit_compiles_s": {name: round(seconds, 2) for name, seconds in jit_compiles},
     }
+
+
+def record_jit_compiles() -> list[tuple[str, float]]:
+    """A list that fills with (kernel, seconds) for every Triton JIT compile of this process from now on: the
+    first call's share of memopt's eagerly launched kernels. Empty without Triton."""
+    import time
+
+    compiles: list[tuple[str, float]] = []
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return compiles
+    compile_once = JITFunction._do_compile
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return compile_once(self, *args, **kwargs)
+        finally:
+            compiles.append((f"{self.fn.__name__}#{len(compiles)}", time.perf_counter() - start))
+
+    JITFunction._do_compile = timed
+    return compiles
 
 
 def compile_phases() -> dict[str, float]:

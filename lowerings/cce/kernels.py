@@ -46,23 +46,30 @@ def _logit_tile(
     stride_en, stride_ed, stride_cv, stride_cd,
     softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (softcapped), and tanh(x/c) for the chain rule.
 
     ``vocab`` are the classes at those columns: ``cols`` itself, or their classes in a sorted vocabulary.
     ROUND rounds the linear's output to the input dtype before the softcap, as a GEMM that writes the logits in
-    that dtype does: the backward of ``cce_with_logits`` must see the logits its forward's GEMM returned."""
-    row_ok = rows < n_rows
+    that dtype does: the backward of ``cce_with_logits`` must see the logits its forward's GEMM returned.
+    Rows and columns past the ends read the last row or class instead of being masked (callers mask what they
+    keep), so that with EVEN_D (``dim`` a multiple of BLOCK_D) the loop's loads carry no mask at all."""
     col_ok = cols < n_cols
-    e_rows = E + rows.to(tl.int64)[:, None] * stride_en
-    c_rows = C + vocab.to(tl.int64)[:, None] * stride_cv
+    safe_rows = tl.minimum(rows, n_rows - 1).to(tl.int64)
+    safe_vocab = tl.where(col_ok, vocab, 0).to(tl.int64)
+    e_rows = E + safe_rows[:, None] * stride_en
+    c_rows = C + safe_vocab[:, None] * stride_cv
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for k in range(0, dim, BLOCK_D):
         ks = k + tl.arange(0, BLOCK_D)
-        k_ok = ks < dim
-        e = tl.load(e_rows + ks[None, :] * stride_ed, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        c = tl.load(c_rows + ks[None, :] * stride_cd, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_D:
+            e = tl.load(e_rows + ks[None, :] * stride_ed)
+            c = tl.load(c_rows + ks[None, :] * stride_cd)
+        else:
+            k_ok = (ks < dim)[None, :]
+            e = tl.load(e_rows + ks[None, :] * stride_ed, mask=k_ok, other=0.0)
+            c = tl.load(c_rows + ks[None, :] * stride_cd, mask=k_ok, other=0.0)
         if IEEE:  # fp32 operands (and the CPU interpreter, whose 16-bit dot is wrong) multiply exactly
             e = e.to(tl.float32)
             c = c.to(tl.float32)
@@ -88,7 +95,7 @@ def _lse_forward_kernel(
     stride_en, stride_ed, stride_cv, stride_cd,
     softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_LOGIT_SUM: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (row tile, vocabulary slice): running max, Σexp, target logit and Σlogits, all fp32."""
     softcap = as_fp32(softcap)
@@ -108,7 +115,7 @@ def _lse_forward_kernel(
         cols = v + tl.arange(0, BLOCK_V)
         logits, _ = _logit_tile(
             E, C, bias, rows, cols, cols, n_rows, col_hi, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-            HAS_BIAS, HAS_SOFTCAP, IEEE, False, BLOCK_N, BLOCK_V, BLOCK_D,
+            HAS_BIAS, HAS_SOFTCAP, IEEE, False, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         col_ok = (cols < col_hi)[None, :]
         target_logit += tl.sum(tl.where(cols.to(tl.int64)[None, :] == target[:, None], logits, 0.0), axis=1)
@@ -133,7 +140,8 @@ def _grad_logits_kernel(
     stride_en, stride_ed, stride_cv, stride_cd, stride_gn,
     smoothing_keep, smoothing_spread, softcap, filter_eps,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, FILTER: tl.constexpr,
-    ROUND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUND: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """G[n, j] = ∂(Σ g_n·loss_n + Σ h_n·lse_n)/∂logit[n, col_start + j], written in G's dtype.
 
@@ -157,7 +165,7 @@ def _grad_logits_kernel(
         vocab = cols
     logits, capped = _logit_tile(
         E, C, bias, rows, cols, vocab, n_rows, n_cols, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, IEEE, ROUND, BLOCK_N, BLOCK_V, BLOCK_D,
+        HAS_BIAS, HAS_SOFTCAP, IEEE, ROUND, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
     row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
     g_loss = tl.load(grad_rows + rows, mask=row_ok, other=0.0)
@@ -345,7 +353,7 @@ def forward_rows(
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         softcap or 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, WANT_LOGIT_SUM=want_logit_sum,
-        IEEE=exact_fp32_products(hidden.dtype), **blocks,
+        IEEE=exact_fp32_products(hidden.dtype), EVEN_D=dim % blocks["BLOCK_D"] == 0, **blocks,
     )
     row_max = part_max.amax(dim=0)
     lse = row_max + torch.log((part_sum * torch.exp(part_max - row_max)).sum(dim=0))
@@ -423,7 +431,7 @@ def backward(
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),
             1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0, filter_eps,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=exact_fp32_products(hidden.dtype),
-            FILTER=filtering, ROUND=round_logits, **blocks,
+            FILTER=filtering, ROUND=round_logits, EVEN_D=dim % blocks["BLOCK_D"] == 0, **blocks,
         )
         if grad_logits is not None:
             g.add_(grad_logits[:, start : start + cols])
