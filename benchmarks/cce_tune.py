@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> None:
                 lambda config=config, grid=grid: kernels._grad_logits_kernel[grid](
                     e, c, None, t, lse, grad_rows, zeros, g, None, None, n, v, d, 0, chunk,
                     e.stride(0), e.stride(1), c.stride(0), c.stride(1), g.stride(0), 1.0, 0.0, 1.0, 0.0,
-                    HAS_BIAS=False, HAS_SOFTCAP=False, IEEE=False, FILTER=False, ROUND=False, EVEN_D=d % config["BLOCK_D"] == 0,
-                    **config,
+                    HAS_BIAS=False, HAS_SOFTCAP=False, IEEE=False, FILTER=False, ROUND=False,
+                    EVEN_D=d % config["BLOCK_D"] == 0, **config,
                 )
             )
             print(
