@@ -38,7 +38,7 @@ VARIANTS = {
 
 def child(
     model_name: str, attention: str, dropout: str, batch: int, seq: int, variant: str, tiny: bool,
-    layers: int | None = None,
+    layers: int | None = None, profile: Path | None = None,
 ) -> dict:
     """One variant's first step in this process (timed as ``e2e.first_call`` times it): seconds, the rewrites applied
     and the AOTAutograd cache counters."""
@@ -56,7 +56,10 @@ def child(
     step = e2e.compiled_step(model, "whole_model", backend, "inductor", options)
     one_step = e2e.training_step(model, step, inputs, device, autocast=device.type == "cuda")
     row = e2e.Row(model_name, attention, dropout, "whole_model", backend, tokens=batch * seq)
-    e2e.first_call(row, one_step, device)
+    if profile is None:
+        e2e.first_call(row, one_step, device)
+    else:
+        profiled(profile, lambda: e2e.first_call(row, one_step, device))
     cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
     return {
         "variant": variant, "first_call_s": row.first_call_s, "rewrites": row.rewrites, "aot_autograd_cache": cache,
@@ -88,6 +91,22 @@ def record_jit_compiles() -> list[tuple[str, float]]:
     return compiles
 
 
+def profiled(path: Path, run) -> None:
+    """``run()`` under cProfile; the functions of memopt, Dynamo, AOTAutograd, Inductor and Triton that took
+    the most cumulative time go to ``path`` as text: where a warm start's seconds go, below the phases."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    stats.print_stats(r"fxpass|lowerings|_dynamo|_functorch|_inductor|triton", 60)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+
+
 def compile_phases() -> dict[str, float]:
     """Seconds per timed compile phase of this process (Dynamo's ``compile_times``, summed over graphs), the
     longest first: where a variant's extra first-call time goes."""
@@ -111,6 +130,9 @@ def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
         sys.executable, __file__, "--child", variant, "--models", args.models, "--attention", args.attention,
         "--dropout", args.dropout, "--batch", str(args.batch), "--seq", str(args.seq),
     ] + (["--tiny"] if args.tiny else []) + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
+    if args.profile:
+        slug = "".join(c if c.isalnum() else "-" for c in variant)
+        command += ["--profile", str(args.profile / f"first-call-profile-{phase}-{slug}.txt")]
     # Triton's own cache too: memopt launches some kernels eagerly (opaque ops), which Triton's JIT would
     # otherwise compile into ~/.triton once for every variant that runs after the first
     env = {
@@ -147,11 +169,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="names of VARIANTS, comma-separated")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: its config's)")
+    parser.add_argument("--profile", type=Path, default=None, help="cProfile each first call; summaries go here")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     if args.child is not None:
-        row = child(args.models, args.attention, args.dropout, args.batch, args.seq, args.child, args.tiny, args.layers)
+        row = child(
+            args.models, args.attention, args.dropout, args.batch, args.seq, args.child, args.tiny, args.layers,
+            args.profile,
+        )
         print(json.dumps(row), flush=True)
         return [row]
     rows = []
