@@ -262,14 +262,22 @@ def _accumulate_product_kernel(
 
 
 def _blocks(dtype: torch.dtype) -> dict[str, int]:
-    """Tile sizes: large tiles for the tensor cores, tiny ones for the CPU interpreter."""
+    """Tile sizes of the logit-gradient kernel: large tiles for the tensor cores, tiny ones for the interpreter."""
     if interpreting():
         return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16}
     if dtype == torch.float32:
         return {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
-    # H200, bf16, N=8192 V=256000 D=2304 (benchmarks/cce_tune.py, 2026-11-30): 487 TFLOP/s forward,
-    # 535 TFLOP/s for the logit-gradient kernel; 128×256 and 256×128×64 tiles were within 3 %.
-    return {"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_D": 32, "num_warps": 8, "num_stages": 5}
+    # H200, bf16, N=8192 V=128256 D=2048 (benchmarks/cce_tune.py, 2026-12-03, unmasked loads): 565 TFLOP/s
+    # (256×128×32 in 5 stages: 538; 128×256×64: 516).
+    return {"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
+
+
+def _forward_blocks(dtype: torch.dtype) -> dict[str, int]:
+    """Tile sizes of the forward (log-sum-exp) kernel."""
+    if interpreting() or dtype == torch.float32:
+        return _blocks(dtype)
+    # Same sweep: 563 TFLOP/s (256×128×32 in 5 stages, the earlier default: 520; 256×128×64: 547).
+    return {"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
 
 
 def _product_blocks(dtype: torch.dtype) -> dict[str, int]:
@@ -338,7 +346,7 @@ def forward_rows(
     """Per-row loss (0 on ignored rows) and log-sum-exp, fp32 [N]; the same contract as the reference."""
     n_rows, dim = hidden.shape
     n_cols = weight.shape[0]
-    blocks = _blocks(hidden.dtype)
+    blocks = _forward_blocks(hidden.dtype)
     cols_per_split = triton.cdiv(min(FORWARD_SPLIT_COLUMNS, n_cols), blocks["BLOCK_V"]) * blocks["BLOCK_V"]
     splits = triton.cdiv(n_cols, cols_per_split)
     part_max, part_sum, part_target, part_logit_sum = (
