@@ -133,9 +133,10 @@ def _lse_forward_kernel(
         tl.store(part_logit_sum + out, logit_sum, mask=row_ok)
 
 
-# A vocabulary's last chunk is narrower than the rest: not specializing on its width keeps one compiled kernel
-# for all chunks (a second one cost ~0.7 s of the first step on the H200, cold caches).
-@triton.jit(do_not_specialize=["chunk_cols"])
+# The narrower last chunk of a vocabulary compiles a second specialization (~0.7 s of a cold first step on the
+# H200). Not specializing on the chunk's width instead cost 30 % of this kernel's speed and 54 % of the product's
+# (``benchmarks/cce_tune.py``, BENCHMARKS.md, 2026-12-03): the divisibility of the widths is worth the compile.
+@triton.jit
 def _grad_logits_kernel(
     E, C, bias, targets, lse, grad_rows, grad_lse, G, Order, Live,
     n_rows, n_cols, dim, col_start, chunk_cols,
@@ -211,7 +212,7 @@ def _product_step(
     return acc
 
 
-@triton.jit(do_not_specialize=["m_size", "k_size"])  # the last chunk's width, as above
+@triton.jit
 def _accumulate_product_kernel(
     A, B, High, Low, BRows, Live, m_size, n_size, k_size,
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, live_stride_m, live_stride_k,

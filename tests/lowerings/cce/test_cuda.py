@@ -206,19 +206,3 @@ def test_out_of_range_target_fails_like_pytorch(compiled):
     assert run.returncode != 0
     assert "device-side assert" in run.stderr or "out of bounds" in run.stderr, run.stderr[-2000:]
 
-
-def test_a_ragged_last_chunk_reuses_the_compiled_kernels():
-    """Every backward chunk, the narrower last one included, runs the one compiled logit-gradient kernel and
-    the one compiled ∂E product: a second compilation was ~0.7 s each of a cold first step."""
-    from lowerings.cce import kernels
-
-    def compiled(fn) -> int:
-        return sum(len(caches[0]) for caches in fn.device_caches.values())
-
-    hidden, weight, _, targets = _lm_batch(256, 3 * kernels.chunk_columns(256, 2) + 777, 64, torch.bfloat16)
-    _, lse = kernels.forward_rows(hidden, weight, None, targets, -100, 0.0, None)
-    ones = torch.ones(256, device="cuda")
-    kernels._grad_logits_kernel.device_caches.clear()  # loaded again from Triton's disk cache
-    kernels._accumulate_product_kernel.device_caches.clear()
-    kernels.backward(hidden, weight, None, targets, lse, ones, 0 * ones, 0.0, None, (True, True, False))
-    assert compiled(kernels._grad_logits_kernel) == compiled(kernels._accumulate_product_kernel) == 1
