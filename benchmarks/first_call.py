@@ -33,6 +33,8 @@ VARIANTS = {
     # both ways of sampling (``Config.wta_crs_sampling``; the row above takes the default, traced)
     "memopt + WTA-CRS 0.3 (traced sampling)": {"wta_crs_budget": 0.3, "wta_crs_sampling": "traced"},
     "memopt + WTA-CRS 0.3 (opaque sampling)": {"wta_crs_budget": 0.3, "wta_crs_sampling": "opaque"},
+    # CPU: small steps, where the memory model declines WTA-CRS, with every rewrite forced
+    "memopt + WTA-CRS 0.3 (forced)": {"wta_crs_budget": 0.3, "force": True},
 }
 
 
