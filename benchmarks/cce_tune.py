@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     grad_rows = torch.full((n,), 1.0 / n, device="cuda")
     zeros = torch.zeros(n, device="cuda")
     g = torch.empty(n, chunk, device="cuda", dtype=torch.bfloat16)
-    original_blocks, original_product = (kernels._blocks, kernels._forward_blocks), kernels._product_blocks
+    original_product = kernels._product_blocks
     for bn, bv, bd, warps, stages in TILE_CONFIGS:
         config = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=warps, num_stages=stages)
-        kernels._blocks = kernels._forward_blocks = lambda dtype, config=config: dict(config)
         try:
-            fwd = _bench(lambda: kernels.forward_rows(e, c, None, t, -100, 0.0, None))
+            with kernels.forced_blocks(config):
+                fwd = _bench(lambda: kernels.forward_rows(e, c, None, t, -100, 0.0, None))
             grid = (triton_cdiv(n, bn) * triton_cdiv(chunk, bv),)
             grad = _bench(
                 lambda config=config, grid=grid: kernels._grad_logits_kernel[grid](
@@ -117,7 +117,6 @@ def main(argv: list[str] | None = None) -> None:
             )
         except Exception as error:  # an invalid config (shared memory) must not end the sweep
             print(f"tiles {config}: failed: {type(error).__name__}: {str(error).splitlines()[0][:100]}", flush=True)
-    kernels._blocks, kernels._forward_blocks = original_blocks
     out = torch.empty(chunk, d, device="cuda", dtype=torch.bfloat16)
     mm = _bench(lambda: torch.mm(g.t(), e, out=out))
     print(f"cuBLAS dC chunk GEMM {mm:.3f} ms = {tflops(2 * n * chunk * d, mm):.0f} TFLOP/s", flush=True)

@@ -61,17 +61,14 @@ def cross_entropy_rows() -> list[str]:
     from lowerings.cce import kernels
     from tests.lowerings.sm90_compile import _cross_entropy
 
-    rows, chosen = [], (kernels._blocks, kernels._forward_blocks)
-    try:
-        for softcap in (None, 30.0):
-            for bn, bv, bd, warps, stages in TILE_CONFIGS:
-                config = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=warps, num_stages=stages)
-                kernels._blocks = kernels._forward_blocks = lambda dtype, config=config: dict(config)
+    rows = []
+    for softcap in (None, 30.0):
+        for bn, bv, bd, warps, stages in TILE_CONFIGS:
+            config = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, num_warps=warps, num_stages=stages)
+            with kernels.forced_blocks(config):
                 usage = _usage(("_lse_forward_kernel", "_grad_logits_kernel"), _cross_entropy(torch.bfloat16, softcap))
-                name = "cross-entropy, softcap" if softcap else "cross-entropy"
-                rows.append(f"| {name} | {(bn, bv, bd, warps, stages)} | {usage} |")
-    finally:
-        kernels._blocks, kernels._forward_blocks = chosen
+            name = "cross-entropy, softcap" if softcap else "cross-entropy"
+            rows.append(f"| {name} | {(bn, bv, bd, warps, stages)} | {usage} |")
     return rows
 
 

@@ -20,7 +20,10 @@ buffers, which functionalization would turn into copies of whole gradients. With
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -283,6 +286,25 @@ def _forward_blocks(dtype: torch.dtype) -> dict[str, int]:
     return {"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
 
 
+_FORCED_BLOCKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("memopt_cce_blocks", default=None)
+
+
+@contextlib.contextmanager
+def forced_blocks(config: dict) -> Iterator[None]:
+    """Launch the forward and logit-gradient kernels with these tiles (BLOCK_N, BLOCK_V, BLOCK_D, num_warps,
+    num_stages) instead of ``_forward_blocks``' and ``_blocks``' choice: for tile sweeps."""
+    token = _FORCED_BLOCKS.set(config)
+    try:
+        yield
+    finally:
+        _FORCED_BLOCKS.reset(token)
+
+
+def _launch_blocks(choose: Callable[[torch.dtype], dict[str, int]], dtype: torch.dtype) -> dict[str, int]:
+    forced = _FORCED_BLOCKS.get()
+    return dict(forced) if forced is not None else choose(dtype)
+
+
 def _product_blocks(dtype: torch.dtype) -> dict[str, int]:
     if interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}
@@ -349,7 +371,7 @@ def forward_rows(
     """Per-row loss (0 on ignored rows) and log-sum-exp, fp32 [N]; the same contract as the reference."""
     n_rows, dim = hidden.shape
     n_cols = weight.shape[0]
-    blocks = _forward_blocks(hidden.dtype)
+    blocks = _launch_blocks(_forward_blocks, hidden.dtype)
     cols_per_split = triton.cdiv(min(FORWARD_SPLIT_COLUMNS, n_cols), blocks["BLOCK_V"]) * blocks["BLOCK_V"]
     splits = triton.cdiv(n_cols, cols_per_split)
     part_max, part_sum, part_target, part_logit_sum = (
@@ -421,7 +443,7 @@ def backward(
     n_rows, dim = hidden.shape
     n_cols = weight.shape[0]
     need_hidden, need_weight, need_bias = needs
-    blocks = _blocks(hidden.dtype)
+    blocks = _launch_blocks(_blocks, hidden.dtype)
     chunk = min(n_cols, chunk_columns(n_rows, hidden.element_size()))
     grad_chunk = hidden.new_empty((n_rows, chunk))
     grad_hidden = hidden.new_zeros((n_rows, dim)) if need_hidden else hidden.new_empty(0)

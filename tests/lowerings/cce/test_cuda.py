@@ -205,4 +205,3 @@ def test_out_of_range_target_fails_like_pytorch(compiled):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
     assert "device-side assert" in run.stderr or "out of bounds" in run.stderr, run.stderr[-2000:]
-
