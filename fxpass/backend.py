@@ -21,6 +21,7 @@ from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
 from fxpass.config import Config, ConfigError
 from fxpass.report import GraphReport, error_note, publish, tracing_enabled
 from fxpass.rewrite import copy_graph, rewrite_graph, undone, warn_once
+from lowerings import precompile
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class MemoptBackend:
         bodies = {region.name: copy_graph(region.body.graph) for region in checkpoint.regions(gm)}
         gm.meta[returned_logits.WRAPPED_KEY] = True  # this backend re-attaches returned logits (returned_logits.py)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
+        if report.applied and self.config.precompile:  # opaque ops' kernels compile while Inductor compiles
+            precompile.start(gm)
         superseded = False
         try:
             compiled = self._compile_or_fall_back(gm, original, report, example_inputs, bodies)

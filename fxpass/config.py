@@ -34,6 +34,7 @@ ENV_ASSUME_DEVICE = "MEMOPT_ASSUME_DEVICE"
 ENV_CCE_VARIANT = "MEMOPT_CCE_VARIANT"
 ENV_WTA_CRS_SAMPLING = "MEMOPT_WTA_CRS_SAMPLING"
 ENV_ATTENTION_KERNEL = "MEMOPT_ATTENTION_KERNEL"
+ENV_PRECOMPILE = "MEMOPT_PRECOMPILE"
 
 
 class ConfigError(ValueError):
@@ -82,6 +83,10 @@ class Config:
             bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always
             takes memopt's kernel. On the H200 cuDNN was the faster of the two in every case it serves
             (BENCHMARKS.md, "Which kernel serves which attention").
+        precompile: compile the Triton kernels that memopt's opaque ops launch at run time (the CCE backward,
+            the row-wise CCE, WTA-CRS's draw and store) in a background thread while Inductor compiles the graph,
+            instead of at their first launch inside the first step (``lowerings/precompile.py``). CUDA only;
+            False compiles them at their launch, as before.
     """
 
     inner_compiler: str = "inductor"
@@ -98,9 +103,11 @@ class Config:
     assume_device: str | None = None
     cce_variant: str = "auto"
     attention_kernel: str = "auto"
+    precompile: bool = True
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
+        _check_type("precompile", self.precompile, bool)
         _check_type("force", self.force, bool)
         _check_type("min_saved_bytes", self.min_saved_bytes, int)
         _check_type("debug_dir", self.debug_dir, (str, type(None)))
@@ -182,6 +189,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["strict"] = _parse_bool(ENV_STRICT, env[ENV_STRICT])
     if env.get(ENV_FORCE):
         values["force"] = _parse_bool(ENV_FORCE, env[ENV_FORCE])
+    if env.get(ENV_PRECOMPILE):
+        values["precompile"] = _parse_bool(ENV_PRECOMPILE, env[ENV_PRECOMPILE])
     if env.get(ENV_WTA_BUDGET):
         try:
             values["wta_crs_budget"] = float(env[ENV_WTA_BUDGET])

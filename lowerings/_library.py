@@ -8,9 +8,12 @@ Without Triton (e.g. macOS) the same body is registered as a plain ``custom_op``
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 import torch._guards
@@ -55,9 +58,66 @@ def launchable(kernel):
     (torch/_library/triton.py says as much) and an entry in Inductor's kernel side table that is never freed.
     The opaque ops' CUDA bodies (``memopt::cce_backward_rows``, a launch per vocabulary chunk) run at training
     time, where that cost 20 ms a backward on the H200 (GPT-2 small, 13 chunks)."""
+    if getattr(_WARMING, "on", False):
+        return _Warmup(kernel)
     if interpreting() or not tracing():
         return kernel
     return torch.library.wrap_triton(kernel)
+
+
+_WARMING = threading.local()
+
+
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    """Within it, launches of this thread through ``launchable`` compile their kernel for the current CUDA
+    device and run nothing (``lowerings/precompile.py``). Tensors may be meta tensors: only their dtypes,
+    and their storage offsets for the 16-byte alignment Triton specializes on, reach the compiler."""
+    before = getattr(_WARMING, "on", False)
+    _WARMING.on = True
+    try:
+        yield
+    finally:
+        _WARMING.on = before
+
+
+class _Warmup:
+    """``kernel[grid](*args)`` as Triton's ``warmup``: the same specialization (argument dtypes, integer
+    values, pointer alignment, constexprs), hence the same entry of the kernel's cache as the launch."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid) -> Callable[..., None]:
+        def compile_only(*args, **kwargs) -> None:
+            self.kernel.warmup(
+                *map(_stand_in, args), grid=grid, **{name: _stand_in(value) for name, value in kwargs.items()}
+            )
+
+        return compile_only
+
+
+def _stand_in(value):
+    """A tensor as Triton's ``MockTensor`` at an address with the tensor's alignment (its storage assumed
+    aligned, as the caching allocator's are); anything else as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return _aligned_mock()(value.dtype, list(value.shape), value.storage_offset() * value.element_size())
+
+
+@functools.cache
+def _aligned_mock() -> type:
+    from triton.runtime.jit import MockTensor
+
+    class AlignedMock(MockTensor):
+        def __init__(self, dtype: torch.dtype, shape: list[int], address: int) -> None:
+            super().__init__(dtype, shape)
+            self.address = address
+
+        def data_ptr(self) -> int:
+            return self.address
+
+    return AlignedMock
 
 
 def tracing() -> bool:

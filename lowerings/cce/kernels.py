@@ -349,7 +349,7 @@ def accumulate_product(
         stride_m, stride_k = (1, col_tiles) if live.transposed else (col_tiles, 1)
         if live_m % blocks["BLOCK_M"] or live_k % blocks["BLOCK_K"]:
             raise ValueError(f"product tiles {blocks} do not nest in the filter's {live_m}×{live_k} tiles")
-    _accumulate_product_kernel[grid](
+    launchable(_accumulate_product_kernel)[grid](
         a, b, high, high if low is None else low, b_rows, live.flags if live is not None else None,
         m_size, n_size, k_size,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), high.stride(0), stride_m, stride_k,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from lowerings import precompile
 from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
 from lowerings.cce import reference
 
@@ -138,6 +139,22 @@ if HAS_TRITON:
             hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs, filter_eps,
             grad_logits, round_logits,
         )
+
+    def warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, filter_eps=0.0, round_logits=False):
+        """The kernels ``cce_backward_rows`` launches on CUDA for a call of these inputs (``precompile.py``)."""
+        rows = hidden.new_empty(hidden.shape[0], dtype=reference.compute_dtype(hidden.dtype))
+        needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        if not any(needs):  # a call without a backward
+            return
+        kernels.backward(
+            hidden, weight, bias, targets.long(), rows, rows, rows, label_smoothing, softcap, needs, filter_eps,
+            None, round_logits,
+        )
+
+    @precompile.warmer("cce")
+    def _(hidden, weight, bias, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
+          filter_eps=0.0):
+        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, filter_eps)
 
 
 def _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):

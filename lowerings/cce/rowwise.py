@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from lowerings import precompile
 from lowerings._library import HAS_TRITON, reference_op, tracing
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs
@@ -104,6 +105,13 @@ def chunk_rows(
 def _gradient_bytes(vocab, dim, dtype: torch.dtype, need_weight: bool):
     """∂C [V, D] in the input dtype where the op takes it: the backward's cast of the fp32 sum, alive beside it."""
     return vocab * dim * dtype.itemsize if need_weight else 0
+
+
+def _rows_per_chunk(hidden: torch.Tensor, vocab: int, need_weight: bool, return_logits: bool, device_type: str) -> int:
+    """The op's chunk height for these inputs on ``device_type`` (the last chunk takes what is left)."""
+    fused = _kernel_serves(device_type, hidden.dtype)
+    cast_bytes = _gradient_bytes(vocab, hidden.shape[1], hidden.dtype, need_weight)
+    return int(chunk_rows(hidden.shape[0], vocab, hidden.dtype, device_type, fused, return_logits, cast_bytes))
 
 
 def _kernel_serves(device_type: str, dtype: torch.dtype) -> bool:
@@ -252,8 +260,7 @@ def cce_rowwise(
     grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
     fused = _kernel_serves(hidden.device.type, hidden.dtype)
-    cast_bytes = _gradient_bytes(vocab, hidden.shape[1], hidden.dtype, need_weight)
-    step = int(chunk_rows(n_rows, vocab, hidden.dtype, hidden.device.type, fused, return_logits, cast_bytes))
+    step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, hidden.device.type)
     all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
     chunk_buffer = None
     if all_logits is not None and n_rows:  # one chunk's gradient at a time; its padding columns stay zero
@@ -305,6 +312,25 @@ def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, s
         # the padded rows' view, strides and all: Inductor checks a custom op's output strides against these
         hidden.new_empty_strided((rows, vocab), (padded_vocab(vocab), 1)) if return_logits else hidden.new_empty(0),
     )
+
+
+if HAS_TRITON:
+
+    @precompile.warmer("cce_rowwise")
+    def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden,
+          need_weight, need_bias, return_logits=False):
+        """The chunk kernel at each chunk height the op's loop takes on CUDA (the last may be shorter). Its
+        backward's scaling is traced, hence Inductor's to compile."""
+        n_rows, vocab = hidden.shape[0], weight.shape[0]
+        if not n_rows or not _kernel_serves("cuda", hidden.dtype):
+            return
+        step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, "cuda")
+        width = padded_vocab(vocab)
+        scale = hidden.new_empty((), dtype=reference.compute_dtype(hidden.dtype))
+        for rows in {min(step, n_rows), n_rows - (n_rows - 1) // step * step}:
+            source = hidden.new_empty(rows, width)[:, :vocab] if return_logits else None
+            logits = hidden.new_empty(rows, width)[:, :vocab]
+            row_gradient_(logits, targets.long()[:rows], ignore_index, label_smoothing, softcap, scale, source)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowerings._library import launchable
 from lowerings._triton import as_fp32, tanh
 
 # Tiles of one row's vocabulary and warps a program (one row). The kernel was bound by exponentials (the H200's
@@ -143,7 +144,7 @@ def row_gradient_(
     if rows == 0:
         return losses
     keep = 1.0 - label_smoothing
-    _row_gradient_kernel[(rows,)](
+    launchable(_row_gradient_kernel)[(rows,)](
         source, logits, targets, losses, scale,
         vocab, source.stride(0), logits.stride(0), ignore_index,
         keep, label_smoothing / vocab, label_smoothing, softcap if softcap is not None else 1.0,
@@ -171,5 +172,6 @@ def scaled_copy(source: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     numel = source.numel()
     if numel:
         block = 4096
-        _scaled_copy_kernel[(triton.cdiv(numel, block),)](source, out, scale, numel, BLOCK=block, num_warps=8)
+        grid = (triton.cdiv(numel, block),)
+        launchable(_scaled_copy_kernel)[grid](source, out, scale, numel, BLOCK=block, num_warps=8)
     return out

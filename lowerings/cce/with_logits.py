@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from lowerings._library import device_op, on_cuda, reference_op
+from lowerings import precompile
+from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs, _reduce, input_gradients, save_for_backward
 
@@ -115,3 +116,12 @@ def _backward(ctx, grad_loss, grad_lse, grad_logits):
 
 
 cce_with_logits.register_autograd(_backward, setup_context=_setup_context)
+
+
+if HAS_TRITON:
+    from lowerings.cce.op import warm_backward
+
+    @precompile.warmer("cce_with_logits")
+    def _(hidden, weight, bias, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
+          detach_logits=False):
+        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, round_logits=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lowerings import precompile
 from lowerings._library import HAS_TRITON, interpreting, keep_side_effect, on_cuda, reference_op
 from lowerings.wta_crs import reference, state
 
@@ -78,11 +79,17 @@ def sample(
         uniforms = torch.rand(k, device=x.device)
     torch._check(uniforms.shape == (k,), lambda: f"memopt WTA-CRS: {k} slots need {k} uniforms")
     if _use_kernels(x):  # run eagerly (the opaque sample, ``sampled_linears``): three launches in all
-        index, weight = kernels.draw(kernels.row_norms(x), uniforms, winners, estimate=estimate, period=period)
-        return index, kernels.gather_rows(x, index, weight)
+        return _sample_with_kernels(x, estimate, uniforms, period, winners)
     # traced: Inductor fuses the norms and the gather with the layer around them; the draw stays one opaque call
     index, weight = torch.ops.memopt.wta_crs_draw(reference.row_norms(x), estimate, uniforms, period, winners)
     return index, reference.gather_rows(x, index, weight)
+
+
+def _sample_with_kernels(
+    x: torch.Tensor, estimate: torch.Tensor, uniforms: torch.Tensor, period: int, winners: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    index, weight = kernels.draw(kernels.row_norms(x), uniforms, winners, estimate=estimate, period=period)
+    return index, kernels.gather_rows(x, index, weight)
 
 
 @reference_op("wta_crs_sample")
@@ -117,11 +124,15 @@ def wta_crs_draw(
     torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
     norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
     if _use_kernels(norms):
-        return kernels.draw(norms, uniforms, winners, estimate=estimate.float().contiguous(), period=period)
+        return _draw_with_kernel(norms, estimate, uniforms, period, winners)
     positions = reference.positions_of(norms.numel(), period, norms.device)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(positions)
     scores = reference.sampling_scores(norms, grad_estimate)
     return reference.draw(reference.normalize(scores), uniforms, winners)
+
+
+def _draw_with_kernel(norms, estimate, uniforms, period, winners) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.draw(norms, uniforms, winners, estimate=estimate.float().contiguous(), period=period)
 
 
 @wta_crs_draw.register_fake
@@ -216,9 +227,13 @@ def wta_crs_store(norms: torch.Tensor, key: str, period: int) -> None:
     target = state.estimate(key, norms.device).values
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
         if _use_kernels(norms):
-            kernels.update_estimate(target, norms.float().contiguous(), period, reference.EMA_DECAY)
+            _update_with_kernel(target, norms, period)
         else:
             target.copy_(reference.GradNormEstimate(target).updated(norms, period))
+
+
+def _update_with_kernel(target: torch.Tensor, norms: torch.Tensor, period: int) -> None:
+    kernels.update_estimate(target, norms.float().contiguous(), period, reference.EMA_DECAY)
 
 
 @wta_crs_store.register_fake
@@ -227,3 +242,33 @@ def _(norms, key, period):
 
 
 keep_side_effect(wta_crs_store)
+
+
+if HAS_TRITON:
+    # What each op launches eagerly on CUDA, for ``lowerings/precompile.py``: the draw (traced sampling), the
+    # whole sample (opaque sampling), and the store that ``wta_crs_linears``'s backward calls.
+
+    @precompile.warmer("wta_crs_draw")
+    def _(norms, estimate, uniforms, period, winners):
+        _draw_with_kernel(norms.float().contiguous(), estimate, uniforms.float().contiguous(), period, winners)
+
+    @precompile.warmer(sample)
+    def _(x, estimate, budget, period, winners, uniforms=None):
+        if budget < 1.0:  # traced, ``sample`` calls ``wta_crs_draw`` on norms Inductor computes in fp32
+            if uniforms is None:
+                uniforms = x.new_empty(reference.sample_size(x.shape[0], budget), dtype=torch.float32)
+            norms = x.new_empty(x.shape[0], dtype=torch.float32)
+            _draw_with_kernel(norms, estimate, uniforms.float().contiguous(), period, winners)
+
+    @precompile.warmer("wta_crs_sample")
+    def _(x, estimate, budget, period, winners):
+        if budget < 1.0:
+            uniforms = x.new_empty(reference.sample_size(x.shape[0], budget), dtype=torch.float32)
+            _sample_with_kernels(x, estimate, uniforms, period, winners)
+
+    @precompile.warmer("wta_crs_linears")
+    def _(x, weights, biases, bias_of, index, rows, key, period):
+        if x.requires_grad or any(w.requires_grad for w in weights):  # else no backward runs
+            tokens = x.numel() // x.shape[-1]
+            values = x.new_empty(reference.MAX_POSITIONS, dtype=torch.float32)
+            _update_with_kernel(values, x.new_empty(tokens, dtype=torch.float32), period)

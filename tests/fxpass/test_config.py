@@ -47,7 +47,7 @@ class TestDefaults:
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
             "wta_crs_min_tokens", "wta_crs_winners", "wta_crs_sampling", "cce_filter_eps", "assume_device",
-            "cce_variant", "attention_kernel",
+            "cce_variant", "attention_kernel", "precompile",
         }
 
     def test_wta_crs_sampling(self):
@@ -115,6 +115,12 @@ class TestEnvironment:
     def test_force(self):
         assert Config.from_options({}, env={"MEMOPT_FORCE": "1"}).force is True
         assert Config.from_options({}, env={"MEMOPT_FORCE": "0"}).force is False
+
+    def test_precompile(self):
+        assert Config.from_options({}, env={}).precompile is True
+        assert Config.from_options({}, env={"MEMOPT_PRECOMPILE": "0"}).precompile is False
+        with pytest.raises(ConfigError, match="precompile"):
+            Config.from_options({"precompile": "no"})
 
     def test_wta_crs_budget(self):
         assert Config.from_options(env={"MEMOPT_WTA_CRS_BUDGET": "0.3"}).wta_crs_budget == 0.3

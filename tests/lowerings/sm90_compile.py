@@ -167,6 +167,141 @@ def _cce_rowwise(dtype: torch.dtype, vocab: int, smoothing: float, softcap: floa
     return run
 
 
+def _spec(tensor: torch.Tensor):
+    from lowerings.precompile import TensorSpec
+
+    return TensorSpec.of(tensor)
+
+
+Precompiled = tuple[list, Callable[[], None]]  # (calls for ``precompile.warm``, the launches they stand for)
+
+
+def _precompile_cce(op: str, softcap: float | None) -> Precompiled:
+    """``cce`` / ``cce_with_logits``: the backward's kernels, launched as ``cce_backward_rows`` launches them."""
+    from lowerings.cce import kernels
+
+    vocab = kernels.CHUNK_COLUMNS + 200  # two chunks, the second narrower: two specializations of each kernel
+    hidden = torch.randn(64, 48, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, 48, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (64,))
+    last = True if op == "cce_with_logits" else 0.0  # detach_logits, or filter_eps
+    calls = [(op, (_spec(hidden), _spec(weight), None, _spec(targets), -100, "mean", 0.0, softcap, last), ())]
+
+    def launch() -> None:
+        rows = torch.zeros(64)
+        needs = (True, True, False)
+        kernels.backward(hidden.detach(), weight.detach(), None, targets, rows, rows, rows, 0.0, softcap, needs, 0.0,
+                         None, op == "cce_with_logits")
+
+    return calls, launch
+
+
+def _precompile_cce_rowwise(return_logits: bool) -> Precompiled:
+    """``cce_rowwise``: the chunk kernel over the op's chunks, the last one shorter."""
+    from lowerings.cce import rowwise, rowwise_kernel
+
+    n = 1100 if return_logits else 103  # returned logits: chunks of at least MIN_GEMM_ROWS
+    hidden = torch.randn(n, 48, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(3000, 48, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 3000, (n,))
+    args = (_spec(hidden), _spec(weight), None, _spec(targets), -100, "mean", 0.1, None, True, True, False)
+    calls = [("cce_rowwise", (*args, return_logits), ())]
+
+    def launch() -> None:
+        step = rowwise._rows_per_chunk(hidden, 3000, True, return_logits, "cuda")
+        assert n % step, "the case must have two chunk heights"
+        width = rowwise.padded_vocab(3000)
+        every = torch.zeros(n, width, dtype=torch.bfloat16) if return_logits else None
+        buffer = torch.zeros(step, width, dtype=torch.bfloat16)
+        for start in range(0, n, step):
+            rows = slice(start, min(start + step, n))
+            source = every[rows, :3000] if return_logits else None
+            logits = buffer[: rows.stop - start, :3000]
+            rowwise_kernel.row_gradient_(logits, targets[rows], -100, 0.1, None, torch.ones(()), source)
+
+    return calls, launch
+
+
+def _precompile_wta_crs() -> Precompiled:
+    """WTA-CRS's draw (uniforms sliced at a misaligned offset, as the rule slices them), opaque sample and store."""
+    from lowerings.wta_crs import op
+
+    x = torch.randn(300, 40, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(24, 40, dtype=torch.bfloat16, requires_grad=True)
+    estimate = torch.zeros(4096)
+    uniforms = torch.rand(200)[3:93]
+    norms = torch.rand(300)
+    calls = [
+        ("wta_crs_draw", (_spec(norms), _spec(estimate), _spec(uniforms), 60, True), ()),
+        ("wta_crs_sample", (_spec(x), _spec(estimate), 0.3, 60, True), ()),
+        ("wta_crs_linears", (_spec(x), (_spec(weight),), (), (-1,), None, None, "group", 60), ()),
+    ]
+
+    def launch() -> None:
+        op._draw_with_kernel(norms, estimate, uniforms, 60, True)
+        op._sample_with_kernels(x.detach(), estimate, torch.rand(90), 60, True)
+        op._update_with_kernel(estimate, norms, 60)
+
+    return calls, launch
+
+
+def _precompile_wta_crs_traced_sample() -> Precompiled:
+    """The traced sample, a Python function in the rewritten graph: the draw op it calls, on fp32 norms."""
+    from lowerings.wta_crs import op
+
+    x = torch.randn(300, 40, dtype=torch.bfloat16)
+    estimate, uniforms = torch.zeros(4096), torch.rand(200)[3:93]
+    calls = [(op.sample, (_spec(x), _spec(estimate), 0.3, 60, True, _spec(uniforms)), ())]
+
+    def launch() -> None:
+        op._draw_with_kernel(torch.rand(300), estimate, uniforms, 60, True)
+
+    return calls, launch
+
+
+def precompile_cases() -> dict[str, Callable[[], Precompiled]]:
+    """Name → (calls to warm, the launches of those calls): the launches must compile nothing more."""
+    return {
+        "precompile cce_with_logits backward, softcap": lambda: _precompile_cce("cce_with_logits", 30.0),
+        "precompile cce backward": lambda: _precompile_cce("cce", None),
+        "precompile cce_rowwise chunk kernel": lambda: _precompile_cce_rowwise(False),
+        "precompile cce_rowwise chunk kernel, returned logits": lambda: _precompile_cce_rowwise(True),
+        "precompile wta-crs draw, sample, store": _precompile_wta_crs,
+        "precompile wta-crs traced sample": _precompile_wta_crs_traced_sample,
+    }
+
+
+def _recompiled(make: Callable[[], Precompiled]) -> dict[str, object]:
+    """Warm a case's calls, then launch them: the calls warmed, the kernels the launches still compiled, and (the
+    control) those the same launches compile without the warm-up."""
+    from lowerings import precompile
+
+    calls, launch = make()
+    warmed = precompile.warm(calls)
+    after_warmup = _compiled_by(launch)
+    forget_compiled()
+    return {"warmed": warmed, "recompiled": after_warmup, "compiled_cold": _compiled_by(launch)}
+
+
+def _compiled_by(launch: Callable[[], None]) -> list[str]:
+    """The kernels Triton's JIT compiled (from source or its disk cache) while ``launch`` ran."""
+    from triton.runtime.jit import JITFunction
+
+    compiled: list[str] = []
+    compile_once = JITFunction._do_compile
+
+    def recording(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return compile_once(self, *args, **kwargs)
+
+    JITFunction._do_compile = recording
+    try:
+        launch()
+    finally:
+        JITFunction._do_compile = compile_once
+    return compiled
+
+
 def cases() -> dict[str, Callable[[], None]]:
     """Name → a call of the host code that launches (and so compiles) the kernels of one configuration."""
     return {
@@ -222,6 +357,15 @@ def main(selection: list[str]) -> None:
             error = f"{type(exc).__name__}: {exc}"[-2000:]
         kernels = {kernel: sorted(found) for kernel, found in RESOURCES.items()}
         print(json.dumps({"case": name, "triton": triton.__version__, "error": error, "kernels": kernels}), flush=True)
+    for name, make in precompile_cases().items():
+        if selection and not any(part in name for part in selection):
+            continue
+        forget_compiled()
+        try:
+            found, error = _recompiled(make), None
+        except Exception as exc:
+            found, error = {}, f"{type(exc).__name__}: {exc}"[-2000:]
+        print(json.dumps({"case": name, "error": error, **found}), flush=True)
 
 
 if __name__ == "__main__":

@@ -53,3 +53,14 @@ def test_the_device_limits_are_enforced(compiled, case):
     """The same message the H200 gave for these tiles (BENCHMARKS.md, the d256 sweep)."""
     _, message = sm90_compile.expected_failures()[case]
     assert compiled[case]["error"] is not None and message in compiled[case]["error"]
+
+
+@pytest.mark.parametrize("case", list(sm90_compile.precompile_cases()))
+def test_precompile_leaves_the_launches_nothing_to_compile(compiled, case):
+    """``lowerings/precompile.py`` warms the specializations the op's launches then ask for: the same launches
+    compile kernels without the warm-up (the control), none after it."""
+    found = compiled[case]
+    assert found["error"] is None, found["error"]
+    assert found["warmed"] >= 1
+    assert found["compiled_cold"], "the control: these launches compile kernels when nothing was warmed"
+    assert found["recompiled"] == []
