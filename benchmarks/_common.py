@@ -12,7 +12,7 @@ import torch
 
 from fxpass.report import error_note
 
-__all__ = ["cpu_peak", "cuda_peak", "error_note", "header", "release_memory", "write_report"]
+__all__ = ["cpu_peak", "cuda_peak", "error_note", "header", "peak_breakdown", "release_memory", "write_report"]
 
 T = TypeVar("T")
 
@@ -66,6 +66,58 @@ def cpu_peak(fn: Callable[[], T]) -> tuple[T, int]:
         live += size
         peak = max(peak, live)
     return result, peak
+
+
+def peak_breakdown(trace: list[dict], before: int, top: int = 15) -> str:
+    """Where a recorded stretch of CUDA allocations peaked, and what was alive there, as text.
+
+    ``trace`` is one device's entries of ``torch.cuda.memory._snapshot()["device_traces"]`` recorded under
+    ``torch.cuda.memory._record_memory_history(stacks="python")``; ``before`` the bytes allocated when the
+    recording started (weights, optimizer state: not in the trace). Blocks alive at the peak are grouped by the
+    innermost Python frame outside torch's own modules (Inductor's generated code and ``torch.optim`` count as
+    user code), which says which graph, layer or optimizer call holds them."""
+    live: dict[int, tuple[int, str]] = {}
+    current = peak = peak_at = 0
+    for position, entry in enumerate(trace):
+        action, address = entry.get("action"), entry.get("addr")
+        if action == "alloc":
+            live[address] = (entry["size"], _site(entry.get("frames", [])))
+            current += entry["size"]
+            if current > peak:
+                peak, peak_at = current, position
+        elif action in ("free_requested", "free_completed") and address in live:
+            current -= live.pop(address)[0]
+    alive: dict[int, tuple[int, str]] = {}
+    for entry in trace[: peak_at + 1]:  # replayed up to the peak: the blocks alive there
+        if entry.get("action") == "alloc":
+            alive[entry["addr"]] = (entry["size"], _site(entry.get("frames", [])))
+        elif entry.get("action") in ("free_requested", "free_completed"):
+            alive.pop(entry.get("addr"), None)
+    by_site: dict[str, int] = {}
+    for size, site in alive.values():
+        by_site[site] = by_site.get(site, 0) + size
+    gib = 1 << 30
+    lines = [
+        f"peak {(before + peak) / gib:.2f} GiB = {before / gib:.2f} GiB allocated before the recording + "
+        f"{peak / gib:.2f} GiB allocated in it, reached at entry {peak_at} of {len(trace)} "
+        f"(by {_site(trace[peak_at].get('frames', [])) if trace else '-'})",
+        "",
+        "| GiB alive at the peak | allocated at |",
+        "|---|---|",
+    ]
+    for site, size in sorted(by_site.items(), key=lambda item: -item[1])[:top]:
+        lines.append(f"| {size / gib:.3f} | {site} |")
+    return "\n".join(lines)
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame that is not torch's own machinery, as ``file:line function``."""
+    for frame in frames:
+        name = frame.get("filename", "")
+        ours = "/torch/" not in name or "/torch/optim/" in name or "torchinductor" in name
+        if ours and not name.startswith("<"):
+            return f"{'/'.join(name.split('/')[-2:])}:{frame.get('line')} {frame.get('name')}"
+    return "(torch internals)"
 
 
 def header(title: str, device: torch.device) -> str:

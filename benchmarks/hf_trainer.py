@@ -18,7 +18,10 @@ which memopt leaves as is, or ``eager``, which memopt rewrites into its flash ke
 Step time: the median interval between consecutive ``on_step_end`` callbacks after the warm-up steps (compile,
 optimizer state), the device synchronized at each, so it includes data loading, clipping and the optimizer.
 Peak: ``torch.cuda.max_memory_allocated`` over the measured steps (weights, gradients and AdamW state included).
-The ratio column divides by the first ``torch.compile`` variant of the same model.
+The ratio column divides by the first ``torch.compile`` variant of the same model. ``--memory-history DIR``
+records the first measured step's allocations and writes where they peaked and what was alive there
+(``_common.peak_breakdown``); ``--optim`` picks the Trainer's optimizer (``adamw_torch_fused``: no per-step
+temporaries the size of the parameters, which the default multi-tensor AdamW allocates).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import error_note, header, release_memory, write_report
+from benchmarks._common import error_note, header, peak_breakdown, release_memory, write_report
 
 log = logging.getLogger("benchmarks.hf_trainer")
 GiB = 1 << 30
@@ -110,9 +113,10 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def step_timer(warmup: int):
+def step_timer(warmup: int, history: Path | None = None):
     """A ``TrainerCallback`` recording the end time of every optimizer step and, after ``warmup`` steps, the CUDA
-    peak of the whole run and that of forward + backward alone (up to each optimizer step)."""
+    peak of the whole run and that of forward + backward alone (up to each optimizer step). With ``history``, the
+    first measured step's allocations are recorded and where they peaked is written there as text."""
     import transformers
 
     class StepTimer(transformers.TrainerCallback):
@@ -121,6 +125,7 @@ def step_timer(warmup: int):
             self.peak: int | None = None
             self.train_peak: int | None = None
             self.start = time.perf_counter()
+            self.recording_from: int | None = None
 
         def _measuring(self) -> bool:
             return len(self.ends) >= warmup and torch.cuda.is_available()
@@ -129,6 +134,10 @@ def step_timer(warmup: int):
             if self._measuring():
                 self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated())
                 torch.cuda.reset_peak_memory_stats()
+                if history is not None and len(self.ends) == warmup:
+                    torch.cuda.synchronize()
+                    self.recording_from = torch.cuda.memory_allocated()
+                    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             if self._measuring():
@@ -138,6 +147,11 @@ def step_timer(warmup: int):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.ends.append(time.perf_counter())
+            if self.recording_from is not None:
+                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+                torch.cuda.memory._record_memory_history(enabled=None)
+                history.write_text(peak_breakdown(trace, self.recording_from) + "\n")
+                self.recording_from = None
             if len(self.ends) == warmup and torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
 
@@ -185,13 +199,18 @@ def run_variant(name: str, variant: str, args: argparse.Namespace, out: Path) ->
         compile_model(model, options=memopt_options(args))
     elif route != "torch.compile":
         raise SystemExit(f"unknown route {route!r} in {variant!r}: torch.compile or memopt")
-    timer = step_timer(args.warmup)
+    history = None
+    if args.memory_history is not None:
+        args.memory_history.mkdir(parents=True, exist_ok=True)
+        history = args.memory_history / f"{name}-{variant.replace('/', '-')}-peak.md"
+    timer = step_timer(args.warmup, history)
     steps = args.warmup + args.steps
     training = transformers.TrainingArguments(
         output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=rows, bf16=True,
         gradient_accumulation_steps=args.grad_accum, torch_compile=route == "torch.compile",
         torch_compile_backend=args.compiler if route == "torch.compile" else None, logging_steps=1,
         save_strategy="no", report_to=[], seed=0, dataloader_num_workers=0, use_cpu=not torch.cuda.is_available(),
+        **({"optim": args.optim} if args.optim else {}),
     )
     data = Tokens(rows * args.grad_accum * steps, seq, model.config.vocab_size)
     trainer = transformers.Trainer(model=model, args=training, train_dataset=data, callbacks=[timer])
@@ -263,6 +282,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--compiler", default=None, help='the compiler under both routes: "inductor" (default), "aot_eager" (smoke)'
     )
     parser.add_argument("--smoke", action="store_true", help="tiny configs, 2 steps, aot_eager: checks the script")
+    parser.add_argument(
+        "--memory-history", type=Path, default=None,
+        help="record the first measured step's CUDA allocations; where they peaked goes under DIR",
+    )
+    parser.add_argument("--optim", default=None, help="TrainingArguments.optim (default: the Trainer's AdamW)")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     if args.smoke:

@@ -200,14 +200,41 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
 
 
 def _returned_only(candidate: CceMatch, facts: GraphFacts) -> tuple[int, ...]:
-    """The output positions of the classifier's output, if the graph only returns it (outside the loss) and the
-    backend wraps this graph's outputs; otherwise ()."""
+    """The output positions of the classifier's output, if the graph only returns it (outside the loss), as it
+    is or through ``_returned_as``, and the backend wraps this graph's outputs; otherwise ()."""
     if not facts.gm.meta.get(returned_logits.WRAPPED_KEY):
         return ()
-    outside = {user for _, user in facts.outside_users([candidate.classifier], inside=candidate.nodes)}
-    if outside != {facts.output}:
-        return ()
-    return returned_logits.output_positions(facts.gm.graph, candidate.classifier) or ()
+    positions: list[int] = []
+    for _, user in facts.outside_users([candidate.classifier], inside=candidate.nodes):
+        returned = candidate.classifier if user is facts.output else _returned_as(user, facts.output)
+        found = returned_logits.output_positions(facts.gm.graph, returned) if returned is not None else None
+        if not found:
+            return ()
+        positions.extend(found)
+    return tuple(sorted(set(positions)))
+
+
+def _returned_as(node: fx.Node, output: fx.Node) -> fx.Node | None:
+    """What the graph returns for the logits when ``node`` starts a chain of casts to a floating dtype, copies
+    and reshapes that keep the class dimension last, each read only by the next and the last only by the
+    output: accelerate's ``convert_to_fp32`` of a model's outputs under mixed precision (HF Trainer with
+    ``bf16=True``). The wrapper's gradient sees the cast undone and the rows flattened (``LogitsGradient``), as
+    autograd's backward of such a chain would. None for anything else."""
+    vocab = tensor_value(node.args[0]).shape[-1] if node.args and tensor_value(node.args[0]) is not None else None
+    while node is not output:
+        value = tensor_value(node)
+        kind = view_kind(node)
+        if value is None or kind not in (ViewKind.CAST, ViewKind.COPY, ViewKind.RESHAPE):
+            return None
+        if not value.is_floating_point() or value.dim() == 0 or not _same_size(value.shape[-1], vocab):
+            return None
+        if len(node.users) != 1:
+            return None
+        (user,) = node.users
+        if user is output:
+            return node
+        node = user
+    return None
 
 
 def _unsupported_arguments(loss: LossCall) -> str | None:

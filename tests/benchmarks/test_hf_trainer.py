@@ -1,4 +1,4 @@
-"""The HF Trainer benchmark's smoke run on CPU (tiny configs, aot_eager) and its peak ratios."""
+"""The HF Trainer benchmark's smoke run on CPU (tiny configs, aot_eager), its peak ratios and its peak breakdown."""
 
 from __future__ import annotations
 
@@ -72,3 +72,30 @@ def test_step_timer_separates_the_optimizer_peak(monkeypatch):
         timer.on_step_end(None, None, None)
     timer.on_train_end(None, None, None)
     assert (timer.train_peak, timer.peak) == (50, 80)
+
+
+def test_peak_breakdown_finds_the_peak_and_what_was_alive_there():
+    """``--memory-history``'s analysis on a hand-made trace: the peak is the most bytes alive at once, and its
+    blocks are grouped by the innermost frame outside torch's own modules."""
+    from benchmarks._common import peak_breakdown
+
+    def frame(path: str, line: int, name: str) -> dict:
+        return {"filename": path, "line": line, "name": name}
+
+    gib = 1 << 30
+    layer = [frame("/env/torch/nn/functional.py", 1, "linear"), frame("/env/transformers/llama.py", 10, "forward")]
+    graph = [frame("/tmp/torchinductor_root/ab/cab.py", 50, "call")]
+    adamw = [frame("/env/torch/optim/adamw.py", 7, "_multi_tensor_adamw")]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 2 * gib, "frames": layer},
+        {"action": "alloc", "addr": 2, "size": 3 * gib, "frames": graph},
+        {"action": "free_requested", "addr": 1, "size": 2 * gib},
+        {"action": "alloc", "addr": 3, "size": gib, "frames": adamw},
+        {"action": "free_completed", "addr": 1, "size": 2 * gib},
+        {"action": "free_requested", "addr": 2, "size": 3 * gib},
+    ]
+    text = peak_breakdown(trace, before=4 * gib)
+    assert text.startswith("peak 9.00 GiB = 4.00 GiB allocated before the recording + 5.00 GiB allocated in it")
+    assert "entry 1 of 6 (by ab/cab.py:50 call)" in text
+    assert "| 3.000 | ab/cab.py:50 call |" in text and "| 2.000 | transformers/llama.py:10 forward |" in text
+    assert "adamw" not in text  # allocated after the peak

@@ -100,11 +100,18 @@ def test_modifying_the_returned_logits_in_place_raises():
     assert hidden.grad is not None and weight.grad is not None
 
 
+# How a graph returns its logits: as they are, or as accelerate's ``convert_to_fp32`` hands a mixed-precision
+# model's outputs to the Trainer (a cast up, here to fp64 over fp32 logits, and a reshape to [B, T, V]).
+RETURNED_AS = {"as they are": lambda logits: logits, "cast and reshaped": lambda logits: logits.double().view(4, 16, -1)}
+
+
+@pytest.mark.parametrize("returned", list(RETURNED_AS))
 @pytest.mark.parametrize("variant", ["chunked", "rowwise"])
-def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant):
+def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant, returned):
     """A whole model compiled as it is returns its logits; a caller that drops them (``.loss``, the Trainer) must
     not pay for them in the backward. Before the wrapper served ``cce_with_logits`` too, autograd handed that op
-    [N, V] zeros for the dropped logits; now no allocation of the backward is logits-sized, under either op."""
+    [N, V] zeros for the dropped logits (and, through accelerate's cast, zeros of the cast's dtype); now no
+    allocation of the backward is logits-sized, under either op."""
     rows, vocab, dim = 64, 4096, 8
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(vocab, dim, generator=gen).requires_grad_()
@@ -113,7 +120,7 @@ def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant)
 
     def model(h, t):
         logits = F.linear(h, weight)
-        return logits, F.cross_entropy(logits, t)
+        return RETURNED_AS[returned](logits), F.cross_entropy(logits, t)
 
     options = {"strict": True, "force": True, "cce_variant": variant, "inner_compiler": "aot_eager"}
     torch._dynamo.reset()
@@ -127,3 +134,32 @@ def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant)
                                                            (hidden, weight))
     torch.testing.assert_close(hidden.grad, expected_hidden)
     torch.testing.assert_close(weight.grad, expected_weight)
+
+
+@pytest.mark.parametrize("variant", ["chunked", "rowwise"])
+def test_logits_returned_through_a_cast_get_their_gradient_outside_the_graph(variant):
+    """accelerate's ``convert_to_fp32`` between the classifier and the graph's output no longer keeps the logits'
+    gradient inside the graph: the op returns them detached, and a caller that uses the cast logits gets the
+    gradient eager autograd gives, through the wrapper."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 8, generator=gen).requires_grad_()
+    hidden = torch.randn(64, 8, generator=gen).requires_grad_()
+    targets = torch.randint(0, 300, (64,), generator=gen)
+    upstream = torch.randn(4, 16, 300, dtype=torch.float64, generator=gen)
+
+    def model(h, t):
+        logits = F.linear(h, weight)
+        return logits.double().view(4, 16, -1), F.cross_entropy(logits, t)
+
+    reports = []
+    options = {"strict": True, "force": True, "cce_variant": variant, "inner_compiler": "aot_eager"}
+    torch._dynamo.reset()
+    backend = fxpass.MemoptBackend(options=options, sink=reports.append)
+    logits, loss = torch.compile(model, backend=backend, fullgraph=True)(hidden, targets)
+    (loss + (logits * upstream).sum()).backward()
+    expected_logits, expected_loss = model(hidden, targets)
+    wanted = torch.autograd.grad(expected_loss + (expected_logits * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(logits, expected_logits)
+    torch.testing.assert_close((hidden.grad, weight.grad), wanted, rtol=1e-5, atol=1e-4)  # fp32, other sum order
+    graph = reports[-1].graph_module.graph
+    assert returned_logits.returned_logits(graph), "the wrapper carries the returned logits' gradient"
