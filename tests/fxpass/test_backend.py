@@ -160,6 +160,33 @@ class TestRoutes:
         assert fxpass.reports()[-1].records[0].reason.startswith("saving ")
 
 
+class TestPrecompile:
+    """The rewritten graph goes to ``lowerings.precompile`` (the opaque ops' kernels compile beside Inductor)
+    before the inner compile, unless ``precompile=False`` or nothing was rewritten."""
+
+    @pytest.mark.parametrize("enabled", [True, False])
+    def test_start_gets_the_rewritten_graph(self, monkeypatch, enabled):
+        started: list[set] = []
+        monkeypatch.setattr(
+            fxpass.backend.precompile, "start", lambda gm: started.append({node.target for node in gm.graph.nodes})
+        )
+        weight, step = _step()
+        backend = fxpass.MemoptBackend(options={**FAST, "precompile": enabled})
+        _check_against_eager(torch.compile(step, backend=backend), step, weight, *_batch())
+        if enabled:
+            assert len(started) == 1 and torch.ops.memopt.cce.default in started[0]
+        else:
+            assert started == []
+
+    def test_nothing_rewritten_nothing_to_start(self, monkeypatch):
+        started = []
+        monkeypatch.setattr(fxpass.backend.precompile, "start", started.append)
+        weight, step = _step()
+        compiled = torch.compile(step, backend=fxpass.MemoptBackend(options={"inner_compiler": "aot_eager"}))
+        _check_against_eager(compiled, step, weight, *_batch())
+        assert started == []
+
+
 class TestOptions:
     """Inductor config keys and modes pass through; unknown keys are errors that name the key."""
 
