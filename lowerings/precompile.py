@@ -163,9 +163,13 @@ def start(gm: fx.GraphModule) -> concurrent.futures.Future | None:
     nothing to do."""
     if not enabled():
         return None
-    todo = list(dict.fromkeys(
-        call for module in gm.modules() if isinstance(module, fx.GraphModule) for call in calls(module.graph)
-    ))
+    try:
+        todo = list(dict.fromkeys(
+            call for module in gm.modules() if isinstance(module, fx.GraphModule) for call in calls(module.graph)
+        ))
+    except Exception:  # an argument this module does not know how to describe: the launches compile as before
+        log.debug("memopt precompile: listing the calls failed", exc_info=True)
+        return None
     if not todo:
         return None
     device = next(arg.device for _, args, _ in todo for arg in _flat(args) if isinstance(arg, TensorSpec))

@@ -77,7 +77,19 @@ def test_calls_leaves_sizes_unknown_at_compile_time_to_the_launch():
     assert precompile.calls(graph, device_type="cpu") == []
 
 
-def test_warm_reports_calls_that_failed_without_raising(caplog):
+def test_start_never_raises(monkeypatch):
+    """Listing a graph's calls runs in the backend, outside its fallback: a failure there must cost nothing but
+    the compiles at the launches."""
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+
+    def broken(graph, device_type="cuda"):
+        raise TypeError("a tensor subclass without a storage offset")
+
+    monkeypatch.setattr(precompile, "calls", broken)
+    assert precompile.start(fx.GraphModule(torch.nn.Module(), fx.Graph())) is None
+
+
+def test_warm_reports_calls_that_failed_without_raising():
     spec = TensorSpec.of(torch.rand(8))
     calls = [("wta_crs_draw", (spec, "not a tensor", spec, 1, True), ())]
     assert precompile.warm(calls) == 0  # logged, not raised: the launch compiles it as without precompiling
