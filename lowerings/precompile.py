@@ -18,6 +18,7 @@ compile at the launch, as before: errors are logged, never raised. The backend's
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 Warmer = Callable[..., None]
 _WARMERS: dict[object, Warmer] = {}  # by op name ("cce") or, for a Python function in the graph, the function
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
-# Triton compiles one kernel per thread; two threads overlap the CCE backward's kernels with WTA-CRS's.
+# One task a distinct call: two threads overlap, say, the CCE backward's kernels with WTA-CRS's.
 _THREADS = 2
 THREAD_NAME = "memopt-precompile"
 
@@ -157,10 +158,10 @@ def enabled() -> bool:
     return HAS_TRITON and not interpreting() and torch.cuda.is_available()
 
 
-def start(gm: fx.GraphModule) -> concurrent.futures.Future | None:
-    """Compile, in a worker thread, the kernels that the opaque calls of ``gm`` (its checkpointed regions'
-    bodies included) will launch; the future resolves to the number of calls warmed. None where there is
-    nothing to do."""
+def start(gm: fx.GraphModule) -> list[concurrent.futures.Future] | None:
+    """Compile, in worker threads, the kernels that the opaque calls of ``gm`` (its checkpointed regions' bodies
+    included) will launch: one task a distinct call, each resolving to 1 if it was warmed. None (nothing
+    started) where there is nothing to do."""
     if not enabled():
         return None
     try:
@@ -177,17 +178,18 @@ def start(gm: fx.GraphModule) -> concurrent.futures.Future | None:
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix=THREAD_NAME)
-    future = _POOL.submit(warm, todo, index)
-    _PENDING.append(future)
-    return future
+    futures = [_POOL.submit(warm, [call], index) for call in todo]
+    _PENDING.extend(futures)
+    return futures
 
 
 _PENDING: list[concurrent.futures.Future] = []
 
 
 def wait(timeout: float | None = None) -> int:
-    """Block until every warm-up started so far is done; the number of calls they warmed. For tests and
-    benchmarks: training never waits (a launch whose kernel is not ready yet compiles it, as without this)."""
+    """Block until every warm-up started and not yet waited for is done; the number of calls they warmed. For
+    tests and benchmarks: training never waits (a launch whose kernel is not ready yet compiles it, as without
+    this)."""
     done, _ = concurrent.futures.wait(list(_PENDING), timeout=timeout)
     for future in done:
         _PENDING.remove(future)
@@ -210,6 +212,4 @@ def warm(todo: list[Call], device_index: int | None = None) -> int:
 
 
 def _on_device(index: int | None):
-    import contextlib
-
     return torch.cuda.device(index) if index is not None else contextlib.nullcontext()
