@@ -163,3 +163,36 @@ def test_logits_returned_through_a_cast_get_their_gradient_outside_the_graph(var
     torch.testing.assert_close((hidden.grad, weight.grad), wanted, rtol=1e-5, atol=1e-4)  # fp32, other sum order
     graph = reports[-1].graph_module.graph
     assert returned_logits.returned_logits(graph), "the wrapper carries the returned logits' gradient"
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [
+        pytest.param(lambda logits: logits * 2.0, id="scaled"),  # not a cast, copy or reshape
+        pytest.param(lambda logits: logits.double().view(4, 16, -1).sum(-1), id="reduced"),  # class dim gone
+        pytest.param(lambda logits: logits.to(torch.int32), id="cast to integers"),
+    ],
+)
+def test_logits_returned_through_other_ops_keep_their_gradient_in_the_graph(returned):
+    """Only casts to a float dtype, copies and reshapes that keep the class dimension last count as returning
+    the logits: anything else reads them inside the graph, so the op keeps their gradient (no wrapper entry),
+    and the results stay eager's."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(300, 8, generator=gen).requires_grad_()
+    hidden = torch.randn(64, 8, generator=gen).requires_grad_()
+    targets = torch.randint(0, 300, (64,), generator=gen)
+
+    def model(h, t):
+        logits = F.linear(h, weight)
+        return returned(logits), F.cross_entropy(logits, t)
+
+    reports = []
+    options = {"strict": True, "force": True, "inner_compiler": "aot_eager"}
+    torch._dynamo.reset()
+    backend = fxpass.MemoptBackend(options=options, sink=reports.append)
+    out, loss = torch.compile(model, backend=backend, fullgraph=True)(hidden, targets)
+    expected_out, expected_loss = model(hidden, targets)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(loss, expected_loss)
+    assert [record.applied for record in reports[-1].records] == [True]
+    assert not returned_logits.returned_logits(reports[-1].graph_module.graph)
