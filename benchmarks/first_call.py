@@ -167,13 +167,18 @@ def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = {row["phase"]: row.get("first_call_s") for row in rows if row["variant"] == "torch.compile"}
-    lines = ["| caches | variant | first step s | / torch.compile | AOTAutograd cache |", "|---|---|---|---|---|"]
+    lines = [
+        "| caches | variant | first step s | / torch.compile | of it, the torch.compile call s | AOTAutograd cache |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         seconds, reference = row.get("first_call_s"), base.get(row["phase"])
         ratio = f"{seconds / reference:.2f}" if seconds and reference else "-"
         verdict = ", ".join(f"{k.removeprefix('autograd_cache_')}" for k in row.get("aot_autograd_cache", {}))
         shown = f"{seconds:.1f}" if seconds else f"error: {row.get('error', '')[-120:]}"
-        lines.append(f"| {row['phase']} | {row['variant']} | {shown} | {ratio} | {verdict or '-'} |")
+        setup = row.get("torch_compile_call_s")
+        setup = f"{setup:.2f}" if setup is not None else "-"
+        lines.append(f"| {row['phase']} | {row['variant']} | {shown} | {ratio} | {setup} | {verdict or '-'} |")
     return "\n".join(lines)
 
 
