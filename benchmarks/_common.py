@@ -76,26 +76,26 @@ def peak_breakdown(trace: list[dict], before: int, top: int = 15) -> str:
     recording started (weights, optimizer state: not in the trace). Blocks alive at the peak are grouped by the
     innermost Python frame outside torch's own modules (Inductor's generated code and ``torch.optim`` count as
     user code), which says which graph, layer or optimizer call holds them."""
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, int] = {}  # sizes only: the sites are needed for the blocks alive at the peak alone
     current = peak = peak_at = 0
     for position, entry in enumerate(trace):
-        action, address = entry.get("action"), entry.get("addr")
-        if action == "alloc":
-            live[address] = (entry["size"], _site(entry.get("frames", [])))
+        if entry.get("action") == "alloc":
+            live[entry["addr"]] = entry["size"]
             current += entry["size"]
             if current > peak:
                 peak, peak_at = current, position
-        elif action in ("free_requested", "free_completed") and address in live:
-            current -= live.pop(address)[0]
-    alive: dict[int, tuple[int, str]] = {}
+        elif _frees(entry) and entry.get("addr") in live:
+            current -= live.pop(entry["addr"])
+    alive: dict[int, dict] = {}
     for entry in trace[: peak_at + 1]:  # replayed up to the peak: the blocks alive there
         if entry.get("action") == "alloc":
-            alive[entry["addr"]] = (entry["size"], _site(entry.get("frames", [])))
-        elif entry.get("action") in ("free_requested", "free_completed"):
+            alive[entry["addr"]] = entry
+        elif _frees(entry):
             alive.pop(entry.get("addr"), None)
     by_site: dict[str, int] = {}
-    for size, site in alive.values():
-        by_site[site] = by_site.get(site, 0) + size
+    for entry in alive.values():
+        site = _site(entry.get("frames", []))
+        by_site[site] = by_site.get(site, 0) + entry["size"]
     gib = 1 << 30
     lines = [
         f"peak {(before + peak) / gib:.2f} GiB = {before / gib:.2f} GiB allocated before the recording + "
@@ -108,6 +108,10 @@ def peak_breakdown(trace: list[dict], before: int, top: int = 15) -> str:
     for site, size in sorted(by_site.items(), key=lambda item: -item[1])[:top]:
         lines.append(f"| {size / gib:.3f} | {site} |")
     return "\n".join(lines)
+
+
+def _frees(entry: dict) -> bool:
+    return entry.get("action") in ("free_requested", "free_completed")
 
 
 def _site(frames: list[dict]) -> str:

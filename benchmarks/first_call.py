@@ -88,6 +88,8 @@ def record_jit_compiles() -> list[tuple[str, float]]:
     a thread of its own on CUDA. Empty without Triton."""
     import threading
 
+    from lowerings import precompile
+
     compiles: list[tuple[str, float]] = []
     try:
         from triton.runtime.jit import JITFunction
@@ -102,7 +104,7 @@ def record_jit_compiles() -> list[tuple[str, float]]:
         finally:
             thread = threading.current_thread()
             where = "" if thread is threading.main_thread() else " (autograd)"
-            where = " (precompile)" if thread.name.startswith("memopt-precompile") else where
+            where = " (precompile)" if thread.name.startswith(precompile.THREAD_NAME) else where
             compiles.append((f"{self.fn.__name__}#{len(compiles)}{where}", time.perf_counter() - start))
 
     JITFunction._do_compile = timed

@@ -20,8 +20,8 @@ optimizer state), the device synchronized at each, so it includes data loading, 
 Peak: ``torch.cuda.max_memory_allocated`` over the measured steps (weights, gradients and AdamW state included).
 The ratio column divides by the first ``torch.compile`` variant of the same model. ``--memory-history DIR``
 records the first measured step's allocations and writes where they peaked and what was alive there
-(``_common.peak_breakdown``); ``--optim`` picks the Trainer's optimizer (``adamw_torch_fused``: no per-step
-temporaries the size of the parameters, which the default multi-tensor AdamW allocates).
+(``_common.peak_breakdown``); ``--optim`` picks the Trainer's optimizer (``adamw_torch_fused`` against the
+default, to see whether the optimizer step is where a step peaks).
 """
 
 from __future__ import annotations

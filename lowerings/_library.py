@@ -58,22 +58,33 @@ def launchable(kernel):
     (torch/_library/triton.py says as much) and an entry in Inductor's kernel side table that is never freed.
     The opaque ops' CUDA bodies (``memopt::cce_backward_rows``, a launch per vocabulary chunk) run at training
     time, where that cost 20 ms a backward on the H200 (GPT-2 small, 13 chunks)."""
-    if getattr(_WARMING, "on", False):
+    if _warming_here():
         return _Warmup(kernel)
     if interpreting() or not tracing():
         return kernel
     return torch.library.wrap_triton(kernel)
 
 
+def eager(kernel):
+    """``kernel`` for a launch that only ever runs eagerly (inside an opaque op's CUDA body, never traced): the
+    kernel itself, or under ``warming`` its compile-only stand-in. It asks nothing about tracing, which costs
+    ``launchable`` ~8 µs of CPU a launch (a WTA-CRS step of GPT-2 small launches ~100 such kernels)."""
+    return _Warmup(kernel) if _warming_here() else kernel
+
+
 _WARMING = threading.local()
+
+
+def _warming_here() -> bool:
+    return getattr(_WARMING, "on", False)
 
 
 @contextlib.contextmanager
 def warming() -> Iterator[None]:
-    """Within it, launches of this thread through ``launchable`` compile their kernel for the current CUDA
+    """Within it, launches of this thread through ``launchable`` or ``eager`` compile their kernel for the current CUDA
     device and run nothing (``lowerings/precompile.py``). Tensors may be meta tensors: only their dtypes,
     and their storage offsets for the 16-byte alignment Triton specializes on, reach the compiler."""
-    before = getattr(_WARMING, "on", False)
+    before = _warming_here()
     _WARMING.on = True
     try:
         yield

@@ -127,9 +127,9 @@ Call = tuple[object, tuple, tuple]  # warmer key, positional arguments, (keyword
 
 
 def calls(graph: fx.Graph, device_type: str = "cuda") -> list[Call]:
-    """(op name, arguments as specs) of the calls in ``graph`` that have a warmer and run on ``device_type``, each
-    distinct call once (a model's identical blocks share one); calls with a size unknown at compile time are
-    left to compile at their launch."""
+    """(warmer key, arguments, keyword arguments; tensors as specs) of the calls in ``graph`` that have a warmer
+    and run on ``device_type``, each distinct call once (a model's identical blocks share one); calls with a size
+    unknown at compile time are left to compile at their launch."""
     found: dict[Call, None] = {}
     for node in graph.nodes:
         name = _warmer_key(node.target) if node.op == "call_function" else None

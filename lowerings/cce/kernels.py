@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowerings._library import interpreting, launchable
+from lowerings._library import eager, interpreting, launchable
 from lowerings._triton import as_fp32, exact_fp32_products, tanh
 
 # Columns of ∂loss/∂logits materialized per backward chunk (N × columns in the input dtype): at most
@@ -349,7 +349,7 @@ def accumulate_product(
         stride_m, stride_k = (1, col_tiles) if live.transposed else (col_tiles, 1)
         if live_m % blocks["BLOCK_M"] or live_k % blocks["BLOCK_K"]:
             raise ValueError(f"product tiles {blocks} do not nest in the filter's {live_m}×{live_k} tiles")
-    launchable(_accumulate_product_kernel)[grid](
+    eager(_accumulate_product_kernel)[grid](
         a, b, high, high if low is None else low, b_rows, live.flags if live is not None else None,
         m_size, n_size, k_size,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), high.stride(0), stride_m, stride_k,
@@ -458,7 +458,7 @@ def backward(
     for start in range(0, n_cols, chunk):
         cols = min(chunk, n_cols - start)
         g = grad_chunk[:, :cols]
-        launchable(_grad_logits_kernel)[grid](
+        eager(_grad_logits_kernel)[grid](
             hidden, weight, bias, targets, lse, grad_rows, grad_lse, g, order, live,
             n_rows, n_cols, dim, start, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), g.stride(0),

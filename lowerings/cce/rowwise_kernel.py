@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowerings._library import launchable
+from lowerings._library import eager
 from lowerings._triton import as_fp32, tanh
 
 # Tiles of one row's vocabulary and warps a program (one row). The kernel was bound by exponentials (the H200's
@@ -144,7 +144,7 @@ def row_gradient_(
     if rows == 0:
         return losses
     keep = 1.0 - label_smoothing
-    launchable(_row_gradient_kernel)[(rows,)](
+    eager(_row_gradient_kernel)[(rows,)](
         source, logits, targets, losses, scale,
         vocab, source.stride(0), logits.stride(0), ignore_index,
         keep, label_smoothing / vocab, label_smoothing, softcap if softcap is not None else 1.0,
@@ -173,5 +173,5 @@ def scaled_copy(source: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     if numel:
         block = 4096
         grid = (triton.cdiv(numel, block),)
-        launchable(_scaled_copy_kernel)[grid](source, out, scale, numel, BLOCK=block, num_warps=8)
+        eager(_scaled_copy_kernel)[grid](source, out, scale, numel, BLOCK=block, num_warps=8)
     return out

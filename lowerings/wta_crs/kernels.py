@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowerings._library import launchable
+from lowerings._library import eager
 from lowerings.wta_crs.reference import GRAD_FLOOR
 
 
@@ -48,7 +48,7 @@ def row_norms(x: torch.Tensor) -> torch.Tensor:
     """‖x_i‖₂ in fp32 for each row of a 2-D tensor whose rows are contiguous."""
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    launchable(_row_norms_kernel)[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1]))
+    eager(_row_norms_kernel)[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1]))
     return out
 
 
@@ -56,7 +56,7 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> t
     """x[index] · weight[:, None] in x's dtype, contiguous [k, D]."""
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty((index.numel(), x.shape[1]), dtype=x.dtype, device=x.device)
-    launchable(_gather_rows_kernel)[(index.numel(),)](
+    eager(_gather_rows_kernel)[(index.numel(),)](
         x, index, weight.float().contiguous(), out, x.shape[1], x.stride(0), BLOCK=_block(x.shape[1])
     )
     return out
@@ -106,7 +106,7 @@ def update_estimate(values: torch.Tensor, norms: torch.Tensor, period: int, deca
     """Fold one step's row norms of the output gradient into a group's estimate ``values`` in place: one launch
     where the reference takes about fifteen ops."""
     period = max(period, 1)
-    launchable(_update_estimate_kernel)[(triton.cdiv(values.numel(), ESTIMATE_SLOTS),)](
+    eager(_update_estimate_kernel)[(triton.cdiv(values.numel(), ESTIMATE_SLOTS),)](
         norms, values, norms.numel(), period, decay,
         N_POSITIONS=values.numel(), SEQUENCES=ESTIMATE_SEQUENCES, BLOCK=ESTIMATE_SLOTS,
     )
@@ -249,7 +249,7 @@ def draw(
     weight = torch.empty(n_slots, dtype=torch.float32, device=scores.device)
     cumulative = torch.empty(n_rows, dtype=torch.float32, device=scores.device)
     looked_up = torch.empty_like(cumulative) if estimate is not None else scores
-    launchable(_draw_kernel)[(1,)](
+    eager(_draw_kernel)[(1,)](
         scores, scores if estimate is None else estimate, looked_up, uniforms, cumulative, index, weight,
         n_rows, n_slots, WINNER_ROUNDS, max(period, 1), floor,
         N_POSITIONS=1 if estimate is None else estimate.numel(), LOOKUP=estimate is not None, WINNERS=winners,

@@ -249,7 +249,7 @@ if HAS_TRITON:
     # whole sample (opaque sampling), and the store that ``wta_crs_linears``'s backward calls.
 
     @precompile.warmer("wta_crs_draw")
-    def _(norms, estimate, uniforms, period, winners):
+    def _warm_draw(norms, estimate, uniforms, period, winners):
         _draw_with_kernel(norms.float().contiguous(), estimate, uniforms.float().contiguous(), period, winners)
 
     @precompile.warmer(sample)
@@ -257,8 +257,7 @@ if HAS_TRITON:
         if budget < 1.0:  # traced, ``sample`` calls ``wta_crs_draw`` on norms Inductor computes in fp32
             if uniforms is None:
                 uniforms = x.new_empty(reference.sample_size(x.shape[0], budget), dtype=torch.float32)
-            norms = x.new_empty(x.shape[0], dtype=torch.float32)
-            _draw_with_kernel(norms, estimate, uniforms.float().contiguous(), period, winners)
+            _warm_draw(x.new_empty(x.shape[0], dtype=torch.float32), estimate, uniforms, period, winners)
 
     @precompile.warmer("wta_crs_sample")
     def _(x, estimate, budget, period, winners):
