@@ -41,6 +41,7 @@ from fxpass.graph import (
     is_method,
     is_param_transpose,
     position_in,
+    propagate_example_value,
     tensor_value,
     view_kind,
 )
@@ -89,6 +90,9 @@ class CceMatch:
     # where the graph returns the classifier's own output, when nothing else outside the loss reads it and the
     # backend re-attaches returned logits (fxpass/returned_logits.py): the row-wise op may then serve the loss
     returned_positions: tuple[int, ...] = ()
+    # fp32 where 16-bit logits are returned only through casts to fp32 (accelerate's convert_to_fp32 under HF
+    # Trainer's bf16=True): the op then writes them in fp32 itself, and no 16-bit copy sits beside the cast's
+    returned_dtype: torch.dtype | None = None
 
     @property
     def anchor(self) -> fx.Node:
@@ -195,23 +199,48 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
     if escape is None:
         return candidate
     if escape is RETURNED:
-        return dataclasses.replace(candidate, returns_logits=True, returned_positions=_returned_only(candidate, facts))
+        positions, returned_dtype = _returned_only(candidate, facts)
+        return dataclasses.replace(
+            candidate, returns_logits=True, returned_positions=positions, returned_dtype=returned_dtype
+        )
     return dataclasses.replace(candidate, blocker=escape)
 
 
-def _returned_only(candidate: CceMatch, facts: GraphFacts) -> tuple[int, ...]:
-    """The output positions of the classifier's output, if the graph only returns it (outside the loss), as it
-    is or through ``_returned_as``, and the backend wraps this graph's outputs; otherwise ()."""
+def _returned_only(candidate: CceMatch, facts: GraphFacts) -> tuple[tuple[int, ...], torch.dtype | None]:
+    """Where the graph returns the classifier's output, when every outside use is the output itself, as it
+    is or through ``_returned_as``, and the backend wraps this graph's outputs (otherwise no positions); and
+    the dtype every such return widens the logits to (``_widened_to``)."""
     if not facts.gm.meta.get(returned_logits.WRAPPED_KEY):
-        return ()
+        return (), None
     positions: list[int] = []
+    returned: list[fx.Node] = []
     for _, user in facts.outside_users([candidate.classifier], inside=candidate.nodes):
-        returned = candidate.classifier if user is facts.output else _returned_as(user, facts.output)
-        found = returned_logits.output_positions(facts.gm.graph, returned) if returned is not None else None
+        node = candidate.classifier if user is facts.output else _returned_as(user, facts.output)
+        found = returned_logits.output_positions(facts.gm.graph, node) if node is not None else None
         if not found:
-            return ()
+            return (), None
         positions.extend(found)
-    return tuple(sorted(set(positions)))
+        returned.append(node)
+    return tuple(sorted(set(positions))), _widened_to(candidate.classifier, returned)
+
+
+def _widened_to(classifier: fx.Node, returned: list[fx.Node]) -> torch.dtype | None:
+    """fp32 where the classifier's 16-bit logits reach each of ``returned`` through casts to fp32 only (the dtypes
+    along each chain: the classifier's, then fp32), so that writing them in fp32 at once changes no value the
+    graph returns. None otherwise."""
+    source = tensor_value(classifier).dtype
+    if source not in (torch.float16, torch.bfloat16) or not returned:
+        return None
+    for node in returned:
+        dtypes: list[torch.dtype] = []
+        while node is not classifier:
+            dtypes.append(tensor_value(node).dtype)
+            node = node.args[0]
+        dtypes.reverse()  # from the classifier's first user to the returned node
+        widened = dtypes.index(torch.float32) if torch.float32 in dtypes else len(dtypes)
+        if widened == len(dtypes) or set(dtypes[:widened]) - {source} or set(dtypes[widened:]) != {torch.float32}:
+            return None
+    return torch.float32
 
 
 def _returned_as(node: fx.Node, output: fx.Node) -> fx.Node | None:
@@ -540,6 +569,8 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
         what = "logits never materialized"
     decision = decide_on_saving(memory_model(candidate, config.assume_device, variant), config, what)
     params = {"variant": "with_logits" if candidate.returns_logits and variant == "chunked" else variant}
+    if candidate.returned_dtype is not None and params["variant"] == "with_logits":
+        params["returned_logits_dtype"] = str(candidate.returned_dtype).removeprefix("torch.")
     if why:
         params["variant_reason"] = why
     return dataclasses.replace(decision, params=params)
@@ -660,6 +691,10 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     if _wrapper_carries_logits(candidate) and variant == "rowwise":  # gradients taken from the logits it returns
         padded = rows * rowwise.padded_vocab(vocab) * dtype.itemsize
         after["returned: the logits [N, V] (rows padded to 64); no gradient of theirs enters the graph"] = padded
+    elif _wrapper_carries_logits(candidate) and candidate.returned_dtype is not None:
+        # the fp32 logits the graph returns were the cast's copy before and are the op's output now: charged on
+        # neither side; the 16-bit logits they were cast from no longer exist
+        after["returned: the logits [N, V], written in fp32 by the op; no 16-bit copy, no gradient in the graph"] = 0
     elif _wrapper_carries_logits(candidate):
         after["returned: the logits [N, V]; no gradient of theirs enters the graph"] = returned
     if _wrapper_carries_logits(candidate):
@@ -719,7 +754,8 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), True)
         elif candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
             detach = _wrapper_carries_logits(candidate)  # their gradient (the wrapper's) never enters the graph
-            fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments, detach)
+            widened = [candidate.returned_dtype] if candidate.returned_dtype is not None else []
+            fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments, detach, *widened)
         elif rowwise:
             fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate))
         else:
@@ -727,9 +763,10 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             fused = add("call_function", torch.ops.memopt.cce.default, *arguments, *filter_eps)
         result = _cast_like(add, add("call_function", operator.getitem, fused, 0), loss_node)
         replacements = [(loss_node, result)]
+        logits = None
         if candidate.returns_logits:
-            index = 4 if rowwise else 2
-            replacements.append((candidate.classifier, _returned_logits(add, fused, candidate.hidden, index)))
+            logits = _returned_logits(add, fused, candidate.hidden, 4 if rowwise else 2)
+            replacements.append((candidate.classifier, logits))
         for lse_node, source, _ in candidate.log_sum_exps:
             rows = add("call_function", operator.getitem, fused, 1)
             size = add("call_method", "size", hidden_at[source])
@@ -738,10 +775,22 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
     inside = {*candidate.nodes}
     for old, new in replacements:
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in inside)
+    if logits is not None and candidate.returned_dtype is not None and not rowwise:  # the chain now starts in fp32
+        _refresh_returned_chains(logits, fake_mode)
     transposes = [n for n in candidate.classifier.all_input_nodes if is_param_transpose(n)]
     erase_unused([*candidate.nodes, *transposes])
     if _wrapper_carries_logits(candidate):  # (the row-wise op returns logits only then: _rowwise_blocker)
         _return_operands(graph, candidate, hidden, weight, bias)
+
+
+def _refresh_returned_chains(logits: fx.Node, fake_mode) -> None:
+    """Re-derive the example values of the casts and reshapes between the op's widened logits and the output,
+    which still describe the 16-bit logits they used to read."""
+    pending = [user for user in logits.users if user.op != "output"]
+    while pending:
+        node = pending.pop()
+        propagate_example_value(node, fake_mode)
+        pending.extend(user for user in node.users if user.op != "output")
 
 
 def _return_operands(graph: fx.Graph, candidate: CceMatch, hidden: fx.Node, weight: fx.Node, bias) -> None:

@@ -297,6 +297,9 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
 _REPLACED_BY = "memopt_wta_replaced_by"
 # Meta key of the graph's one ``torch.rand`` that every traced group's uniforms are sliced from: its length so far.
 _UNIFORMS = "memopt_wta_uniforms"
+# Slices start at multiples of 4 floats: Triton specializes a pointer argument on 16-byte alignment, so slices at
+# odd offsets compiled the draw kernel a second time.
+_ALIGN = 4
 
 
 def _shared_uniforms(gm: fx.GraphModule, add, tokens: fx.Node, budget: float, fake_mode) -> fx.Node | None:
@@ -318,7 +321,7 @@ def _shared_uniforms(gm: fx.GraphModule, add, tokens: fx.Node, budget: float, fa
         with graph.inserting_before(next(node for node in graph.nodes if node.op != "placeholder")):
             source = graph.call_function(torch.rand, ((0,),), {"device": value.device})
         source.meta[_UNIFORMS] = 0
-    offset = source.meta[_UNIFORMS]
+    offset = -(-source.meta[_UNIFORMS] // _ALIGN) * _ALIGN  # every slice 16-byte aligned: one draw kernel
     source.args = ((offset + k,),)
     source.meta[_UNIFORMS] = offset + k
     propagate_example_value(source, fake_mode)

@@ -1,7 +1,8 @@
 """``torch.ops.memopt.cce_with_logits``: the cut cross-entropy loss of a graph that returns its logits too.
 
     loss, lse, logits = torch.ops.memopt.cce_with_logits(hidden, weight, bias, targets, ignore_index,
-                                                         reduction, label_smoothing, softcap)
+                                                         reduction, label_smoothing, softcap,
+                                                         detach_logits, logits_dtype)
 
 A whole model compiled as it is returns the logits beside the loss (HF's ``ModelOutput``, nanoGPT's
 ``(logits, loss)``), and most callers drop them (``loss = model(...).loss``, HF Trainer). The forward computes
@@ -21,6 +22,13 @@ nothing beyond the log-sum-exp: the lowest peak of the variants, for 8·N·D·V 
 ``cce_variant="chunked"`` on CUDA, where "auto" takes ``memopt.cce_rowwise`` with ``return_logits``). Without
 it this op serves logits that another op of the graph reads, ``reduction="none"``, z-loss terms and graphs run
 without a backward.
+
+``logits_dtype``: the dtype the graph returns the logits in, where that is wider than the classifier's (fp32 after
+bf16 or fp16: accelerate's ``convert_to_fp32`` under HF Trainer's ``bf16=True``). The op then returns them in it,
+with the classifier dtype's values, so the caller sees what the cast of eager's logits holds. On CUDA with bf16
+the GEMM writes fp32 itself (``torch.mm(..., out_dtype=torch.float32)``) and the rounding to bf16's values
+fuses into the log-sum-exp's reduction, in place: the bf16 N×V never exists beside its fp32 copy (Llama-3.2-1B's
+Trainer step: 33.1 → 31.2 GiB on the H200). Elsewhere the classifier's output is cast, as the graph did.
 
 CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
 logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
@@ -78,6 +86,32 @@ def _(logits, targets, ignore_index, label_smoothing, softcap):
     return rows, torch.empty_like(rows)
 
 
+def classifier_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None
+) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` returned in ``dtype`` (None: the operands'), holding the values of the
+    operands' dtype. fp32 from bf16 operands on CUDA: cuBLAS writes its fp32 accumulators, which are then
+    rounded once to bf16's values, as its bf16 output would have been; elsewhere the linear's own output is
+    cast (fp16 included, whose rounding has no such cheap exact form)."""
+    if dtype is None or dtype == hidden.dtype:
+        return torch.nn.functional.linear(hidden, weight, bias)
+    if dtype != torch.float32 or hidden.dtype != torch.bfloat16 or not on_cuda(hidden, weight):
+        return torch.nn.functional.linear(hidden, weight, bias).to(dtype)
+    wide = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    if bias is not None:
+        wide = wide + bias.to(torch.float32)
+    return round_to_bfloat16(wide)
+
+
+def round_to_bfloat16(values: torch.Tensor) -> torch.Tensor:
+    """fp32 ``values`` rounded to the nearest bf16 (ties to even), kept in fp32. Written on the bits: Inductor
+    drops a cast down and up again inside one kernel (measured on the H200: the logits kept their fp32 digits),
+    so ``values.to(torch.bfloat16).float()`` rounds nothing once compiled. NaNs pass through unchanged."""
+    bits = values.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000).view(torch.float32)  # -0x10000: 0xFFFF0000
+    return torch.where(torch.isnan(values), values, rounded)
+
+
 @device_op("cce_with_logits")
 def cce_with_logits(
     hidden: torch.Tensor,
@@ -89,10 +123,11 @@ def cce_with_logits(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     detach_logits: bool = False,
+    logits_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
     targets = targets.long()
-    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = classifier_logits(hidden, weight, bias, logits_dtype)
     if on_cuda(hidden, weight, targets):
         targets = torch.ops.memopt.cce_checked_targets(targets, weight.shape[0], ignore_index)
         losses, lse = row_terms(logits, targets, ignore_index, label_smoothing, softcap)
@@ -112,7 +147,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss, grad_lse, grad_logits):
     # grad_logits: None, or (traced) a tangent that may be zeros for logits the caller dropped: added once per
     # chunk, it costs no GEMM.
-    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, True), None, None, None, None, None, None)
+    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, True), *[None] * 7)
 
 
 cce_with_logits.register_autograd(_backward, setup_context=_setup_context)
@@ -123,5 +158,5 @@ if HAS_TRITON:
 
     @precompile.warmer("cce_with_logits")
     def _(hidden, weight, bias, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
-          detach_logits=False):
+          detach_logits=False, logits_dtype=None):
         warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, round_logits=True)

@@ -165,6 +165,48 @@ def test_logits_returned_through_a_cast_get_their_gradient_outside_the_graph(var
     assert returned_logits.returned_logits(graph), "the wrapper carries the returned logits' gradient"
 
 
+WIDENED = {
+    "cast": (lambda logits: logits.float(), torch.float32),
+    "reshaped, then cast": (lambda logits: logits.view(4, 16, -1).float(), torch.float32),
+    "cast, then reshaped": (lambda logits: logits.float().view(4, 16, -1), torch.float32),
+    "as they are": (lambda logits: logits, None),
+    "to float64": (lambda logits: logits.double(), None),  # cuBLAS writes fp32 at most
+    "to fp32 and back to fp16": (lambda logits: logits.float().half(), None),
+}
+
+
+@pytest.mark.parametrize("returned", list(WIDENED))
+def test_logits_returned_through_a_cast_to_fp32_are_written_in_fp32_by_the_op(returned):
+    """bf16 logits returned only through casts to fp32 (accelerate's ``convert_to_fp32``): the op is asked for
+    them in fp32 (``logits_dtype``), so no bf16 copy exists beside the fp32 one; the graph returns exactly
+    eager's values, its loss, and (through the wrapper) eager's gradients. Any other chain leaves the dtype."""
+    transform, widened = WIDENED[returned]
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    hidden = torch.randn(64, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 300, (64,), generator=gen)
+
+    def model(h, t):
+        logits = F.linear(h, weight)
+        return transform(logits), F.cross_entropy(logits.float(), t)
+
+    reports = []
+    options = {"strict": True, "force": True, "inner_compiler": "aot_eager"}
+    torch._dynamo.reset()
+    backend = fxpass.MemoptBackend(options=options, sink=reports.append)
+    logits, loss = torch.compile(model, backend=backend, fullgraph=True)(hidden, targets)
+    (call,) = [node for node in reports[-1].graph_module.graph.nodes
+               if node.target is torch.ops.memopt.cce_with_logits.default]
+    assert (call.args[9] if len(call.args) > 9 else None) == widened
+    expected_logits, expected_loss = model(hidden, targets)
+    assert logits.dtype == expected_logits.dtype and torch.equal(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
+    upstream = (1e-2 * torch.randn(expected_logits.shape, generator=gen)).to(expected_logits.dtype)
+    ours = torch.autograd.grad(loss + (logits * upstream).sum(), (hidden, weight))
+    theirs = torch.autograd.grad(expected_loss + (expected_logits * upstream).sum(), (hidden, weight))
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=1e-2)  # bf16 GEMMs in another order
+
+
 @pytest.mark.parametrize(
     "returned",
     [

@@ -234,6 +234,8 @@ def test_bf16_autocast(name, tmp_path):
     cce = _applied(graph, "cce")
     assert len(cce) == 1, _reasons(graph)
     assert cce[0].params["dtype"] == "bfloat16"
+    # accelerate's convert_to_fp32 returns the logits as fp32: the op writes them so, with no bf16 copy beside
+    assert cce[0].params["returned_logits_dtype"] == "float32", cce[0].params
     attention = _applied(graph, "attention")
     # Llama's RoPE leaves q and k fp32 beside a bf16 v under autocast: the rule casts them as autocast did.
     assert len(attention) == LAYERS, _reasons(graph)

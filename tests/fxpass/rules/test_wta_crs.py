@@ -148,6 +148,22 @@ class GraphModule(torch.nn.Module):
         kernels = re.findall(r"^(\w+) = async_compile\.", "\n".join(codes), re.M)
         assert kernels and sum("rand" in name for name in kernels) == 1, kernels
 
+    def test_uniform_slices_start_16_byte_aligned(self):
+        """k = 7 uniforms a group (22 tokens): each group's slice starts at a multiple of 4 floats, so every slice
+        is 16-byte aligned and the draw kernel, which Triton specializes on its pointers' alignment, compiles
+        once; the slices stay disjoint and the values exact."""
+        torch.manual_seed(0)
+        blocks = nn.Sequential(Block(), Block())  # 8 groups
+        x = torch.randn(2, 11, D, requires_grad=True)
+        reports = []
+        backend = fxpass.MemoptBackend(options=ON | {"force": True}, sink=reports.append, keep_code=True)
+        out = torch.compile(lambda x: blocks(x).square().sum(), backend=backend)(x)
+        torch.testing.assert_close(out, blocks(x).square().sum())
+        after = reports[-1].after
+        offsets = sorted(int(m) for m in re.findall(r"rand\.narrow\(0, (\d+), 7\)", after))
+        assert offsets == list(range(0, 64, 8)), offsets
+        assert "torch.rand((63,)" in after  # the last slice ends the call
+
     def test_values_and_input_gradients_are_exact(self):
         """Outputs, the input gradient and every bias gradient equal eager; weight gradients are estimates. The
         opaque sample (``wta_crs_sampling="opaque"``) is one ``memopt::wta_crs_sample`` call per group."""

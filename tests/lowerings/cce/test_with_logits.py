@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fxpass
 from lowerings.cce import reference
 from tests.helpers import assert_close_all
 
@@ -157,6 +158,50 @@ def test_opcheck(bias, reduction, smoothing, softcap):
     torch.library.opcheck(torch.ops.memopt.cce_with_logits.default, args)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("detach", [False, True])
+def test_widened_logits_hold_the_classifiers_values(dtype, bias, detach):
+    """``logits_dtype=torch.float32`` over 16-bit operands (logits the graph returns through accelerate's cast):
+    the logits come back in fp32 holding exactly the cast of the classifier's own, and the loss and every
+    gradient (the returned logits' own included, unless detached) are those of the op without it."""
+    (h, w, *b), targets = _inputs(dtype, bias)
+    args = (h, w, b[0] if b else None, targets, -100, "mean", 0.1, None, detach)
+    logits_grad = None if detach else (1e-2 * torch.randn(N, V)).to(dtype).float()  # representable either way
+    wide = torch.ops.memopt.cce_with_logits(*args, torch.float32)
+    narrow = torch.ops.memopt.cce_with_logits(*args)
+    assert wide[2].dtype == torch.float32 and narrow[2].dtype == dtype
+    assert torch.equal(wide[2], narrow[2].float())
+    torch.testing.assert_close(wide[0], narrow[0], rtol=0, atol=0)
+    leaves = [t for t in (h, w, *b)]
+    actual = torch.autograd.grad(_total(wide[0], wide[2], logits_grad), leaves)
+    expected = torch.autograd.grad(_total(narrow[0], narrow[2], logits_grad), leaves)
+    assert_close_all(actual, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_round_to_bfloat16_is_the_cast(compiled):
+    """The bit-level rounding of the widened CUDA logits equals a cast to bf16 and back, eager and through
+    Inductor (where a cast down and up again would be dropped): ties to even, overflow to inf, NaN kept."""
+    from lowerings.cce.with_logits import round_to_bfloat16
+
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(100_000, generator=gen) * torch.logspace(-40, 38, 100_000)
+    specials = [float("nan"), float("inf"), -float("inf"), 3.4e38, -3.4e38, -0.0, 1e-45]
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x00008000], dtype=torch.int32).view(torch.float32)
+    values = torch.cat([torch.tensor(specials), ties, values])
+    rounding = torch.compile(round_to_bfloat16, backend="inductor", fullgraph=True) if compiled else round_to_bfloat16
+    got, want = rounding(values), values.to(torch.bfloat16).float()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+def test_opcheck_widened_logits():
+    (h, w, b), targets = _inputs(torch.bfloat16, True, n=11, vocab=17, dim=5)
+    args = (h, w, b, targets, -100, "mean", 0.0, None, True, torch.float32)
+    torch.library.opcheck(torch.ops.memopt.cce_with_logits.default, args)
+
+
 # --- the CUDA backward's kernels (natively on CUDA, through Triton's interpreter on CPU) ----------------------
 
 
@@ -223,6 +268,47 @@ def test_cuda_compiled_whole_head(use_logits):
         our_error = (mine.double() - truth).norm().item()
         eager_error = (theirs.double() - truth).norm().item()
         assert our_error <= 2 * eager_error + 1e-6, (index, our_error, eager_error)
+
+
+@pytest.mark.gpu
+def test_cuda_logits_returned_through_a_cast_are_written_in_fp32():
+    """A bf16 head whose logits leave the graph as ``logits.float()`` (accelerate's ``convert_to_fp32``, HF Trainer
+    with ``bf16=True``): the op writes them in fp32 from the GEMM, so the forward's peak holds one fp32 N×V and no
+    bf16 copy beside it (eager: both), and the values are the bf16 logits' (rounded once, as cuBLAS's bf16 output)."""
+    torch.manual_seed(0)
+    n, vocab, dim = 2048, 32000, 256
+    hidden = torch.randn(n, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), device="cuda")
+
+    def head(h, w, t):
+        logits = F.linear(h, w)
+        return logits.float(), F.cross_entropy(logits.float(), t)
+
+    reports = []
+    backend = fxpass.MemoptBackend(options={"force": True, "strict": True}, sink=reports.append)
+    compiled = torch.compile(head, backend=backend, fullgraph=True)
+    compiled(hidden, weight, targets)[1].backward()  # compile, warm up
+    (call,) = [node for node in reports[-1].graph_module.graph.nodes
+               if node.target is torch.ops.memopt.cce_with_logits.default]
+    assert call.args[-1] == torch.float32, call.args
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logits, loss = compiled(hidden, weight, targets)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert logits.dtype == torch.float32
+    assert peak < 5 * n * vocab, (peak, 4 * n * vocab)  # fp32 logits (4 bytes each), no bf16 copy (2 more)
+    expected_logits, expected_loss = head(hidden, weight, targets)
+    assert torch.equal(logits, logits.to(torch.bfloat16).float())  # bf16 values
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-2, atol=1e-2)  # cuBLAS either way
+    torch.testing.assert_close(loss, expected_loss, rtol=2e-3, atol=2e-3)
+    upstream = 1e-3 * torch.randn(n, vocab, device="cuda")
+    ours = torch.autograd.grad(loss + (logits * upstream).sum(), (hidden, weight))
+    theirs = torch.autograd.grad(expected_loss + (expected_logits * upstream).sum(), (hidden, weight))
+    for mine, wanted in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine.float(), wanted.float(), rtol=2e-2, atol=2e-3)
 
 
 @pytest.mark.parametrize("softcap", [None, 4.0])
