@@ -24,15 +24,13 @@ it this op serves logits that another op of the graph reads, ``reduction="none"`
 without a backward.
 
 ``logits_dtype``: the dtype the graph returns the logits in, where that is wider than the classifier's (fp32 after
-bf16 or fp16: accelerate's ``convert_to_fp32`` under HF Trainer's ``bf16=True``). The op then returns them in it,
-with the classifier dtype's values, so the caller sees what the cast of eager's logits holds. On CUDA with bf16
-the GEMM writes fp32 itself (``torch.mm(..., out_dtype=torch.float32)``) and the rounding to bf16's values
-fuses into the log-sum-exp's reduction, in place: the bf16 N×V never exists beside its fp32 copy (Llama-3.2-1B's
-Trainer step: 33.1 → 31.2 GiB on the H200). Elsewhere the classifier's output is cast, as the graph did.
-
-CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
-logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
-of the reference's size, in place, so ``working_set`` charges both ops alike.
+bf16 or fp16: accelerate's ``convert_to_fp32`` under HF Trainer's ``bf16=True``). On CUDA the GEMM then writes
+its fp32 accumulators itself (``torch.mm(..., out_dtype=torch.float32)``), so the 16-bit N×V never exists
+beside its fp32 copy (Llama-3.2-1B's Trainer step on the H200: 33.1 → 31.2 GiB). Those logits are not rounded
+to 16 bits, so they sit closer to the exact product than eager's cast of its 16-bit logits; the loss and the
+backward's recomputed logits use them unrounded too. (Rounding them back to bf16's values on the bits cost
+the Trainer step a second fp32 N×V: Inductor did not write the rounding in place there.) Elsewhere the
+classifier's output is cast, as the graph did.
 """
 
 from __future__ import annotations
@@ -86,30 +84,23 @@ def _(logits, targets, ignore_index, label_smoothing, softcap):
     return rows, torch.empty_like(rows)
 
 
+def gemm_writes_fp32(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype | None) -> bool:
+    """Whether the logits asked for in ``dtype`` come straight from the GEMM's fp32 accumulators: fp32 from 16-bit
+    operands on CUDA (``torch.mm(..., out_dtype=torch.float32)``)."""
+    return dtype == torch.float32 and hidden.dtype in (torch.bfloat16, torch.float16) and on_cuda(hidden, weight)
+
+
 def classifier_logits(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None
 ) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` returned in ``dtype`` (None: the operands'), holding the values of the
-    operands' dtype. fp32 from bf16 operands on CUDA: cuBLAS writes its fp32 accumulators, which are then
-    rounded once to bf16's values, as its bf16 output would have been; elsewhere the linear's own output is
-    cast (fp16 included, whose rounding has no such cheap exact form)."""
+    """``F.linear(hidden, weight, bias)`` returned in ``dtype`` (None: the operands'). Where ``gemm_writes_fp32``,
+    cuBLAS writes its fp32 accumulators unrounded; elsewhere the linear's own output is cast."""
     if dtype is None or dtype == hidden.dtype:
         return torch.nn.functional.linear(hidden, weight, bias)
-    if dtype != torch.float32 or hidden.dtype != torch.bfloat16 or not on_cuda(hidden, weight):
+    if not gemm_writes_fp32(hidden, weight, dtype):
         return torch.nn.functional.linear(hidden, weight, bias).to(dtype)
     wide = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-    if bias is not None:
-        wide = wide + bias.to(torch.float32)
-    return round_to_bfloat16(wide)
-
-
-def round_to_bfloat16(values: torch.Tensor) -> torch.Tensor:
-    """fp32 ``values`` rounded to the nearest bf16 (ties to even), kept in fp32. Written on the bits: Inductor
-    drops a cast down and up again inside one kernel (measured on the H200: the logits kept their fp32 digits),
-    so ``values.to(torch.bfloat16).float()`` rounds nothing once compiled. NaNs pass through unchanged."""
-    bits = values.view(torch.int32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & -0x10000).view(torch.float32)  # -0x10000: 0xFFFF0000
-    return torch.where(torch.isnan(values), values, rounded)
+    return wide + bias.to(torch.float32) if bias is not None else wide
 
 
 @device_op("cce_with_logits")
@@ -138,6 +129,9 @@ def cce_with_logits(
 
 def _setup_context(ctx, inputs, output) -> None:
     save_for_backward(ctx, inputs, output)
+    # the backward recomputes the logits as the forward took its log-sum-exp from them: rounded to the operands'
+    # dtype, unless the GEMM wrote its fp32 accumulators (logits_dtype)
+    ctx.round_logits = not gemm_writes_fp32(inputs[0], inputs[1], inputs[9])
     if inputs[8]:  # detach_logits: their gradient, if any, is added outside the graph
         ctx.mark_non_differentiable(output[2])
     # Gradients an output did not receive arrive as None rather than as zeros of its size (N×V for the logits).
@@ -147,7 +141,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss, grad_lse, grad_logits):
     # grad_logits: None, or (traced) a tangent that may be zeros for logits the caller dropped: added once per
     # chunk, it costs no GEMM.
-    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, True), *[None] * 7)
+    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, ctx.round_logits), *[None] * 7)
 
 
 cce_with_logits.register_autograd(_backward, setup_context=_setup_context)
@@ -159,4 +153,5 @@ if HAS_TRITON:
     @precompile.warmer("cce_with_logits")
     def _(hidden, weight, bias, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
           detach_logits=False, logits_dtype=None):
-        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, round_logits=True)
+        rounded = not gemm_writes_fp32(hidden, weight, logits_dtype)
+        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, round_logits=rounded)
