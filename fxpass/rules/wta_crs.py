@@ -303,7 +303,8 @@ _ALIGN = 4
 
 
 def _shared_uniforms(gm: fx.GraphModule, add, tokens: fx.Node, budget: float, fake_mode) -> fx.Node | None:
-    """This group's k uniforms, a slice of one ``torch.rand`` at the top of the graph that grows by k per group.
+    """This group's k uniforms, a slice of one ``torch.rand`` at the top of the graph that grows by k per group
+    (rounded up to 4 floats).
 
     Inductor writes a random call's seed index into its kernel's source as a constant, so a ``torch.rand`` per
     group gave every group random kernels of its own to compile, fused with the layer around them (on CPU, two
