@@ -31,6 +31,10 @@ to 16 bits, so they sit closer to the exact product than eager's cast of its 16-
 backward's recomputed logits use them unrounded too. (Rounding them back to bf16's values on the bits cost
 the Trainer step a second fp32 N×V: Inductor did not write the rounding in place there.) Elsewhere the
 classifier's output is cast, as the graph did.
+
+CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
+logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
+of the reference's size, in place, so ``working_set`` charges both ops alike.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def test_widened_logits_hold_the_classifiers_values(dtype, bias, detach):
     assert wide[2].dtype == torch.float32 and narrow[2].dtype == dtype
     assert torch.equal(wide[2], narrow[2].float())
     torch.testing.assert_close(wide[0], narrow[0], rtol=0, atol=0)
-    leaves = [t for t in (h, w, *b)]
+    leaves = [h, w, *b]
     actual = torch.autograd.grad(_total(wide[0], wide[2], logits_grad), leaves)
     expected = torch.autograd.grad(_total(narrow[0], narrow[2], logits_grad), leaves)
     assert_close_all(actual, expected, rtol=0, atol=0)
@@ -288,11 +288,11 @@ def test_cuda_logits_returned_through_a_cast_are_written_in_fp32(dtype):
     assert logits.dtype == torch.float32
     assert peak < 5 * n * vocab, (peak, 4 * n * vocab)  # fp32 logits (4 bytes each), no 16-bit copy (2 more)
     upstream = 1e-3 * torch.randn(n, vocab, device="cuda")
+    exact = [hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()]
     results = []
     for outputs, leaves in (((logits, loss), (hidden, weight)),
                             (head(hidden, weight, targets), (hidden, weight)),
-                            (head(*(exact := [hidden.detach().double().requires_grad_(),
-                                              weight.detach().double().requires_grad_()]), targets), exact)):
+                            (head(*exact, targets), exact)):
         out_logits, out_loss = outputs
         grads = torch.autograd.grad(out_loss + (out_logits * upstream.to(out_logits.dtype)).sum(), leaves)
         results.append((out_logits, out_loss, *grads))
