@@ -71,6 +71,7 @@ def child(
     if profile is None:
         e2e.first_call(row, one_step, device)
     else:
+        profile_warm_ups(profile)
         profiled(profile, lambda: e2e.first_call(row, one_step, device))
     cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
     return {
@@ -120,11 +121,35 @@ def profiled(path: Path, run) -> None:
 
     profiler = cProfile.Profile()
     profiler.runcall(run)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(path.with_suffix(".prof"))  # all of it, for pstats
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
     stats.print_stats(r"fxpass|lowerings|_dynamo|_functorch|_inductor|triton", 60)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.getvalue())
+
+
+def profile_warm_ups(path: Path) -> None:
+    """cProfile each task of memopt's precompile threads (cProfile sees one thread) into ``path``'s folder as
+    ``<stem>-warm-up-<n>.prof``: what a thread's first Triton compile costs on a warm start."""
+    import cProfile
+    import itertools
+
+    from lowerings import precompile
+
+    numbers = itertools.count()
+    warm = precompile.warm
+
+    def profiled_warm(*args, **kwargs):
+        profiler = cProfile.Profile()
+        try:
+            return profiler.runcall(warm, *args, **kwargs)
+        finally:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(path.with_name(f"{path.stem}-warm-up-{next(numbers)}.prof"))
+
+    precompile.warm = profiled_warm
 
 
 def compile_phases() -> dict[str, float]:

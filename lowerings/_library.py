@@ -101,11 +101,25 @@ class _Warmup:
 
     def __getitem__(self, grid) -> Callable[..., None]:
         def compile_only(*args, **kwargs) -> None:
-            self.kernel.warmup(
-                *map(_stand_in, args), grid=grid, **{name: _stand_in(value) for name, value in kwargs.items()}
-            )
+            with compile_lock(self.kernel):
+                self.kernel.warmup(
+                    *map(_stand_in, args), grid=grid, **{name: _stand_in(value) for name, value in kwargs.items()}
+                )
 
         return compile_only
+
+
+_COMPILE_LOCKS: dict[int, tuple[object, threading.Lock]] = {}
+_COMPILE_LOCKS_GUARD = threading.Lock()
+
+
+def compile_lock(kernel) -> threading.Lock:
+    """The lock of ``kernel``'s warm-ups. Triton's JIT looks a specialization up in the kernel's cache and
+    compiles it on a miss, unlocked: two warm-up threads asking for one specialization both compiled it (GPT-2's
+    sample calls of 768- and 3072-wide inputs both warm the same draw, BENCHMARKS.md, fourteenth session).
+    Held, the second finds the first's kernel in the cache."""
+    with _COMPILE_LOCKS_GUARD:
+        return _COMPILE_LOCKS.setdefault(id(kernel), (kernel, threading.Lock()))[1]
 
 
 def _stand_in(value):

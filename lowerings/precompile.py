@@ -8,7 +8,8 @@ training step, one after the other on the main thread: about 2.4 s of a cold fir
 runs each opaque call's launch code on meta tensors of the call's shapes with its launches turned into Triton's
 ``warmup`` (``_library.warming``), which compiles exactly the specialization the real launch asks for (argument
 dtypes, integer values, pointer alignment, constexprs) into the kernel's cache. Triton releases the GIL in its
-compiler passes and in ptxas, so Inductor's own compile goes on meanwhile.
+compiler passes and in ptxas, so Inductor's own compile goes on meanwhile. Two threads warm distinct calls; the
+warm-ups of one kernel take turns (``_library.compile_lock``), so each specialization compiles once.
 
 A warm-up that fails, or that compiles a specialization the launch then does not ask for, costs nothing but the
 compile at the launch, as before: errors are logged, never raised. The backend's ``precompile`` option (or
@@ -20,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable, Iterable
 
@@ -178,12 +180,24 @@ def start(gm: fx.GraphModule) -> list[concurrent.futures.Future] | None:
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix=THREAD_NAME)
-    futures = [_POOL.submit(warm, [call], index) for call in todo]
+    futures = [_POOL.submit(warm, [call], index) for call in interleaved(todo)]
     _PENDING.extend(futures)
     return futures
 
 
 _PENDING: list[concurrent.futures.Future] = []
+
+
+def interleaved(todo: list[Call]) -> list[Call]:
+    """``todo`` in rounds of one call per warmer, in order of first appearance. Calls of one warmer mostly compile
+    one kernel (GPT-2's sample calls differ in width, not in their draw), which ``_library.compile_lock`` lets
+    only one thread compile; queued side by side, the second thread would wait on the first instead of
+    compiling another warmer's kernels."""
+    by_warmer: dict[object, list[Call]] = {}
+    for call in todo:
+        by_warmer.setdefault(call[0], []).append(call)
+    rounds = itertools.zip_longest(*by_warmer.values())
+    return [call for round_ in rounds for call in round_ if call is not None]
 
 
 def wait(timeout: float | None = None) -> int:

@@ -100,8 +100,8 @@ def test_warm_reports_calls_that_failed_without_raising():
 def test_first_step_compiles_no_memopt_kernel_after_the_warm_up(monkeypatch):
     """A whole model with the opaque ops of every rewrite (CCE over returned logits, WTA-CRS's traced sample and
     store): once the background warm-up is done, its first forward + backward JIT-compiles none of memopt's
-    kernels (the backward runs on autograd's own thread). The backend below waits for the warm-up before the
-    first run, which training never does."""
+    kernels (the backward runs on autograd's own thread), and the warm-up compiled no specialization twice. The
+    backend below waits for the warm-up before the first run, which training never does."""
     import threading
 
     from triton.runtime.jit import JITFunction
@@ -118,13 +118,16 @@ def test_first_step_compiles_no_memopt_kernel_after_the_warm_up(monkeypatch):
         return compiled
 
     at_launch: list[str] = []
+    specializations: list[tuple[str, str]] = []  # (kernel, Triton's cache key) of every memopt compile
     compile_once = JITFunction._do_compile
 
-    def recording(self, *args, **kwargs):
+    def recording(self, key, *args, **kwargs):
         warming = threading.current_thread().name.startswith(precompile.THREAD_NAME)
-        if not warming and self.fn.__module__.startswith("lowerings."):
-            at_launch.append(self.fn.__name__)
-        return compile_once(self, *args, **kwargs)
+        if self.fn.__module__.startswith("lowerings."):
+            specializations.append((self.fn.__name__, str(key)))
+            if not warming:
+                at_launch.append(self.fn.__name__)
+        return compile_once(self, key, *args, **kwargs)
 
     monkeypatch.setattr(JITFunction, "_do_compile", recording)
     torch.manual_seed(0)
@@ -136,3 +139,11 @@ def test_first_step_compiles_no_memopt_kernel_after_the_warm_up(monkeypatch):
     torch.cuda.synchronize()
     assert sum(warmed) >= 3, warmed  # the CCE backward, the draw, the store
     assert at_launch == [], f"compiled at their launch: {at_launch}"
+    twice = sorted({kernel for kernel, _ in specializations if specializations.count((kernel, _)) > 1})
+    assert twice == [], f"one specialization compiled twice: {twice}"  # the draw, before compile_lock
+
+
+def test_interleaved_takes_one_call_per_warmer_each_round():
+    todo = [("sample", (768,), ()), ("sample", (3072,), ()), ("linears", (1,), ()), ("linears", (2,), ()),
+            ("linears", (3,), ()), ("cce", (0,), ())]
+    assert precompile.interleaved(todo) == [todo[0], todo[2], todo[5], todo[1], todo[3], todo[4]]
