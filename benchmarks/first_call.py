@@ -46,7 +46,7 @@ VARIANTS = {
 
 def child(
     model_name: str, attention: str, dropout: str, batch: int, seq: int, variant: str, tiny: bool,
-    layers: int | None = None, profile: Path | None = None,
+    layers: int | None = None, profile: Path | None = None, samples: Path | None = None,
 ) -> dict:
     """One variant's first step in this process (timed as ``e2e.first_call`` times it): seconds, the rewrites applied
     and the AOTAutograd cache counters."""
@@ -68,11 +68,14 @@ def child(
     setup_s = time.perf_counter() - start
     one_step = e2e.training_step(model, step, inputs, device, autocast=device.type == "cuda")
     row = e2e.Row(model_name, attention, dropout, "whole_model", backend, tokens=batch * seq)
-    if profile is None:
-        e2e.first_call(row, one_step, device)
-    else:
-        profile_warm_ups(profile)
+    if profile is not None:
         profiled(profile, lambda: e2e.first_call(row, one_step, device))
+    elif samples is not None:
+        with StackSampler() as sampler:
+            e2e.first_call(row, one_step, device)
+        sampler.write(samples)
+    else:
+        e2e.first_call(row, one_step, device)
     cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
     return {
         "variant": variant, "first_call_s": row.first_call_s + setup_s, "torch_compile_call_s": round(setup_s, 2),
@@ -130,26 +133,51 @@ def profiled(path: Path, run) -> None:
     path.write_text(text.getvalue())
 
 
-def profile_warm_ups(path: Path) -> None:
-    """cProfile each task of memopt's precompile threads (cProfile sees one thread) into ``path``'s folder as
-    ``<stem>-warm-up-<n>.prof``: what a thread's first Triton compile costs on a warm start."""
-    import cProfile
-    import itertools
+class StackSampler:
+    """Every thread's Python stack sampled each ``interval`` seconds, counted as collapsed stacks (``thread;outer;
+    ...;inner count``, as flame-graph tools read them). Wall-clock, and for all threads at once: where the main
+    thread waits (on a lock, on the GIL, on an import) shows, and so do memopt's precompile threads, which
+    cProfile cannot follow (it sees one thread; on Python 3.12 a second profiler in another thread is refused)."""
 
-    from lowerings import precompile
+    def __init__(self, interval: float = 0.005, depth: int = 150) -> None:
+        import collections
+        import threading
 
-    numbers = itertools.count()
-    warm = precompile.warm
+        self.interval, self.depth = interval, depth
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
 
-    def profiled_warm(*args, **kwargs):
-        profiler = cProfile.Profile()
-        try:
-            return profiler.runcall(warm, *args, **kwargs)
-        finally:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            profiler.dump_stats(path.with_name(f"{path.stem}-warm-up-{next(numbers)}.prof"))
+    def __enter__(self) -> StackSampler:
+        self._thread.start()
+        return self
 
-    precompile.warm = profiled_warm
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import threading
+
+        own = threading.get_ident()
+        while not self._stop.wait(self.interval):
+            names = {thread.ident: thread.name for thread in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != own:
+                    self.counts[self._collapsed(names.get(ident, str(ident)), frame)] += 1
+
+    def _collapsed(self, thread: str, frame) -> str:
+        stack = []
+        while frame is not None and len(stack) < self.depth:
+            code = frame.f_code
+            stack.append(f"{Path(code.co_filename).name}:{code.co_name}")
+            frame = frame.f_back
+        return ";".join([thread, *reversed(stack)])
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = [f"{stack} {count}" for stack, count in self.counts.most_common()]
+        path.write_text("\n".join(lines) + "\n")
 
 
 def compile_phases() -> dict[str, float]:
@@ -175,9 +203,11 @@ def run_variant(args, variant: str, cache_dir: str, phase: str) -> dict:
         sys.executable, __file__, "--child", variant, "--models", args.models, "--attention", args.attention,
         "--dropout", args.dropout, "--batch", str(args.batch), "--seq", str(args.seq),
     ] + (["--tiny"] if args.tiny else []) + (["--layers", str(args.layers)] if args.layers else [])  # fmt: skip
+    slug = "".join(c if c.isalnum() else "-" for c in variant)
     if args.profile:
-        slug = "".join(c if c.isalnum() else "-" for c in variant)
         command += ["--profile", str(args.profile / f"first-call-profile-{phase}-{slug}.txt")]
+    if args.sample:
+        command += ["--sample", str(args.sample / f"first-call-stacks-{phase}-{slug}.txt")]
     # Triton's own cache too: memopt launches some kernels eagerly (opaque ops), which Triton's JIT would
     # otherwise compile into ~/.triton once for every variant that runs after the first
     env = {
@@ -220,13 +250,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: its config's)")
     parser.add_argument("--profile", type=Path, default=None, help="cProfile each first call; summaries go here")
+    parser.add_argument(
+        "--sample", type=Path, default=None,
+        help="sample every thread's stack during each first call (wall-clock, collapsed stacks); files go here",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     if args.child is not None:
         row = child(
             args.models, args.attention, args.dropout, args.batch, args.seq, args.child, args.tiny, args.layers,
-            args.profile,
+            args.profile, args.sample,
         )
         print(json.dumps(row), flush=True)
         return [row]
