@@ -30,7 +30,9 @@ beside its fp32 copy (Llama-3.2-1B's Trainer step on the H200: 33.1 → 31.2 GiB
 to 16 bits, so they sit closer to the exact product than eager's cast of its 16-bit logits; the loss and the
 backward's recomputed logits use them unrounded too. (Rounding them back to bf16's values on the bits cost
 the Trainer step a second fp32 N×V: Inductor did not write the rounding in place there.) Elsewhere the
-classifier's output is cast, as the graph did.
+classifier's output is cast, as the graph did. Where fp32 rows of the vocabulary are not 16-byte aligned
+(GPT-2's 50257 classes), cuBLAS's GEMM into them takes a slow path, so ``memopt.fp32_logits_by_row_chunks``
+writes row chunks into an aligned buffer and copies them into place.
 
 CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
 logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
@@ -103,8 +105,58 @@ def classifier_logits(
         return torch.nn.functional.linear(hidden, weight, bias)
     if not gemm_writes_fp32(hidden, weight, dtype):
         return torch.nn.functional.linear(hidden, weight, bias).to(dtype)
-    wide = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    if rows_aligned(weight.shape[0]):
+        wide = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    else:
+        wide = torch.ops.memopt.fp32_logits_by_row_chunks(hidden, weight)
     return wide + bias.to(torch.float32) if bias is not None else wide
+
+
+# cuBLAS's fast GEMMs want every output row to start 16 bytes after the last. An fp32 row of an odd vocabulary
+# does not (GPT-2's 50257 classes), and there torch.mm ran 3.5x slower on the H200: 13.3 ms for GPT-2's
+# 16384 x 50257 x 768 head, against ~3.9 for the whole head compiled by Inductor, which pads the row stride
+# (BENCHMARKS.md, fifteenth session).
+_ROW_ALIGNMENT_BYTES = 16
+_FP32_BYTES = 4
+# The most that the padded buffer of one row chunk's GEMM takes before its copy into place.
+ROW_CHUNK_BYTES = 128 * 2**20
+
+
+def rows_aligned(vocab: int) -> bool:
+    """Whether fp32 rows of ``vocab`` classes start 16 bytes apart, as cuBLAS's fast GEMMs want."""
+    return vocab * _FP32_BYTES % _ROW_ALIGNMENT_BYTES == 0
+
+
+@reference_op("fp32_logits_by_row_chunks")
+def fp32_logits_by_row_chunks(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden @ weight.T`` from 16-bit operands as contiguous fp32 [N, V], for a V whose fp32 rows are not
+    16-byte aligned: each row chunk's GEMM writes a buffer of rows padded to alignment (the weight gets zero
+    classes up to it), which is then copied into place. One transient chunk and one padded weight beyond the
+    output, and one more write and read of the logits: far cheaper than the GEMM's slow path. Opaque, so
+    Inductor runs the loop as it is rather than unrolling it over N."""
+    vocab = weight.shape[0]
+    per_row = _ROW_ALIGNMENT_BYTES // _FP32_BYTES
+    padded = weight.new_zeros(-(-vocab // per_row) * per_row, weight.shape[1])
+    padded[:vocab] = weight
+    out = hidden.new_empty(hidden.shape[0], vocab, dtype=torch.float32)
+    row_bytes = padded.shape[0] * _FP32_BYTES
+    step = max(1, min(ROW_CHUNK_BYTES, out.numel() * _FP32_BYTES // 16) // row_bytes)  # <= 1/16 of the output
+    for start in range(0, hidden.shape[0], step):
+        chunk = _gemm_fp32(hidden[start : start + step], padded.t())
+        out[start : start + step] = chunk[:, :vocab]
+    return out
+
+
+@fp32_logits_by_row_chunks.register_fake
+def _(hidden, weight):
+    return hidden.new_empty(hidden.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def _gemm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with fp32 output: cuBLAS's accumulators on CUDA; elsewhere (tests) the product of the fp32 operands."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 @device_op("cce_with_logits")

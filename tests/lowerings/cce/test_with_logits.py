@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpass
-from lowerings.cce import reference
+from lowerings.cce import reference, with_logits
 from tests.helpers import assert_close_all
 
 N, V, D = 23, 37, 8
@@ -255,13 +255,15 @@ def test_cuda_compiled_whole_head(use_logits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_logits_returned_through_a_cast_are_written_in_fp32(dtype):
+@pytest.mark.parametrize("vocab", [32000, 32001])
+def test_cuda_logits_returned_through_a_cast_are_written_in_fp32(dtype, vocab):
     """A 16-bit head whose logits leave the graph as ``logits.float()`` (accelerate's ``convert_to_fp32``, HF
     Trainer with ``bf16=True``): the GEMM writes them in fp32, so the forward's peak holds one fp32 N×V and no
     16-bit copy beside it (eager: both). They are the unrounded product, no further from float64 than eager's
-    cast of its 16-bit logits; the loss and gradients are no worse than eager's either."""
+    cast of its 16-bit logits; the loss and gradients are no worse than eager's either. An odd vocabulary's
+    logits come from row chunks padded to aligned rows (``fp32_logits_by_row_chunks``), contiguous."""
     torch.manual_seed(0)
-    n, vocab, dim = 2048, 32000, 256
+    n, dim = 2048, 256
     hidden = torch.randn(n, dim, device="cuda").to(dtype).requires_grad_()
     weight = (torch.randn(vocab, dim, device="cuda") / dim**0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (n,), device="cuda")
@@ -285,7 +287,7 @@ def test_cuda_logits_returned_through_a_cast_are_written_in_fp32(dtype):
     logits, loss = compiled(hidden, weight, targets)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    assert logits.dtype == torch.float32
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
     assert peak < 5 * n * vocab, (peak, 4 * n * vocab)  # fp32 logits (4 bytes each), no 16-bit copy (2 more)
     upstream = 1e-3 * torch.randn(n, vocab, device="cuda")
     exact = [hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()]
@@ -312,3 +314,25 @@ def test_row_chunks_change_nothing(monkeypatch, softcap):
     chunked = torch.ops.memopt.cce_with_logits(*args)
     for a, e in zip(chunked, whole, strict=True):
         torch.testing.assert_close(a, e, **FP64)
+
+
+def test_rows_aligned_for_cublas():
+    assert with_logits.rows_aligned(128256) and with_logits.rows_aligned(32000)
+    assert not with_logits.rows_aligned(50257) and not with_logits.rows_aligned(32002)
+
+
+@pytest.mark.parametrize(("n", "vocab", "chunk_bytes"), [(97, 17, 5 * 20 * 4), (8, 6, 2**20)])
+def test_fp32_logits_by_row_chunks_are_the_product(monkeypatch, n, vocab, chunk_bytes):
+    """Row chunks of 5 (97 rows: a ragged last one) or one chunk, each written padded to 16-byte rows then
+    copied into place: the contiguous fp32 product, every row once."""
+    monkeypatch.setattr(with_logits, "ROW_CHUNK_BYTES", chunk_bytes)
+    hidden = torch.randn(n, 9).to(torch.bfloat16)
+    weight = torch.randn(vocab, 9).to(torch.bfloat16)
+    logits = torch.ops.memopt.fp32_logits_by_row_chunks(hidden, weight)
+    assert logits.dtype == torch.float32 and logits.shape == (n, vocab) and logits.is_contiguous()
+    torch.testing.assert_close(logits, hidden.double().mm(weight.double().t()).float(), rtol=1e-6, atol=1e-6)
+
+
+def test_opcheck_fp32_logits_by_row_chunks():
+    args = (torch.randn(11, 5).to(torch.bfloat16), torch.randn(17, 5).to(torch.bfloat16))
+    torch.library.opcheck(torch.ops.memopt.fp32_logits_by_row_chunks.default, args)
