@@ -177,6 +177,7 @@ def start(gm: fx.GraphModule) -> list[concurrent.futures.Future] | None:
         return None
     device = next(arg.device for _, args, _ in todo for arg in _flat(args) if isinstance(arg, TensorSpec))
     index = device.index if device.index is not None else torch.cuda.current_device()
+    prepare_triton()
     global _POOL
     if _POOL is None:
         _POOL = concurrent.futures.ThreadPoolExecutor(_THREADS, thread_name_prefix=THREAD_NAME)
@@ -186,6 +187,23 @@ def start(gm: fx.GraphModule) -> list[concurrent.futures.Future] | None:
 
 
 _PENDING: list[concurrent.futures.Future] = []
+
+
+def prepare_triton() -> None:
+    """Compute here, once, what each thread's first Triton compile would otherwise compute side by side: Triton's
+    cache key of its own install (``triton_key``: a Python loop hashing libtriton's hundreds of megabytes in 1 MB
+    reads) and its CUDA driver. In the warm-up threads, beside a main thread busy loading Inductor's cached
+    graph, each waited for the GIL at every read: ~2.1 s a thread on a warm start on the H200, and the first
+    step 1.20x torch.compile's against 0.97x with no warm-up (BENCHMARKS.md, fifteenth session). Here it takes
+    a fraction of a second that the process's first memopt launch would spend anyway."""
+    try:
+        from triton.runtime import driver
+        from triton.runtime.cache import triton_key
+
+        triton_key()  # functools.lru_cache'd: every later compile of this process reads it
+        driver.active.get_current_device()
+    except Exception:  # an older or newer Triton: the threads compute them, as before
+        log.debug("memopt precompile: preparing Triton failed", exc_info=True)
 
 
 def interleaved(todo: list[Call]) -> list[Call]:

@@ -147,3 +147,23 @@ def test_interleaved_takes_one_call_per_warmer_each_round():
     todo = [("sample", (768,), ()), ("sample", (3072,), ()), ("linears", (1,), ()), ("linears", (2,), ()),
             ("linears", (3,), ()), ("cce", (0,), ())]
     assert precompile.interleaved(todo) == [todo[0], todo[2], todo[5], todo[1], todo[3], todo[4]]
+
+
+def test_start_computes_tritons_key_on_the_calling_thread(monkeypatch):
+    """Triton's key of its own install is a Python loop over libtriton's megabytes: each warm-up thread computing
+    it beside the busy main thread waited for the GIL at every read (BENCHMARKS.md, fifteenth session). It is
+    computed once, before the threads start."""
+    import threading
+
+    cache = pytest.importorskip("triton.runtime.cache")
+    threads: list[str] = []
+    monkeypatch.setattr(cache, "triton_key", lambda: threads.append(threading.current_thread().name))
+    monkeypatch.setattr(precompile, "enabled", lambda: True)
+    draw = torch.ops.memopt.wta_crs_draw.default
+    found = precompile.calls(_graph((draw, _draw_args())), device_type="cpu")
+    monkeypatch.setattr(precompile, "calls", lambda graph: found)
+    monkeypatch.setattr(precompile, "warm", lambda todo, index: len(todo))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    futures = precompile.start(fx.GraphModule(torch.nn.Module(), fx.Graph()))
+    assert futures and precompile.wait(timeout=60) == 1
+    assert threads == [threading.main_thread().name]
