@@ -93,6 +93,8 @@ class CceMatch:
     # fp32 where 16-bit logits are returned only through casts to fp32 (accelerate's convert_to_fp32 under HF
     # Trainer's bf16=True): the op then writes them in fp32 itself, and no 16-bit copy sits beside the cast's
     returned_dtype: torch.dtype | None = None
+    # why logits returned through such casts stay 16-bit (the graph's cast then runs), if they do
+    kept_dtype_reason: str | None = None
 
     @property
     def anchor(self) -> fx.Node:
@@ -200,8 +202,10 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
         return candidate
     if escape is RETURNED:
         positions, returned_dtype = _returned_only(candidate, facts)
+        kept = _widening_is_slow(candidate.classifier) if returned_dtype is not None else None
         return dataclasses.replace(
-            candidate, returns_logits=True, returned_positions=positions, returned_dtype=returned_dtype
+            candidate, returns_logits=True, returned_positions=positions,
+            returned_dtype=None if kept else returned_dtype, kept_dtype_reason=kept,
         )
     return dataclasses.replace(candidate, blocker=escape)
 
@@ -241,6 +245,24 @@ def _widened_to(classifier: fx.Node, returned: list[fx.Node]) -> torch.dtype | N
         if widened == len(dtypes) or set(dtypes[:widened]) - {source} or set(dtypes[widened:]) != {torch.float32}:
             return None
     return torch.float32
+
+
+def _widening_is_slow(classifier: fx.Node) -> str | None:
+    """Why writing the logits in fp32 would cost time, or None. cuBLAS's fast GEMMs want each fp32 row of the
+    logits 16 bytes after the last, which an odd vocabulary's are not (GPT-2's 50257 classes). The op then
+    writes padded row chunks and copies them into place (``fp32_logits_by_row_chunks``), and GPT-2's Trainer
+    step took 1.04x torch.compile's time against 0.90x with 16-bit logits and the graph's cast (H200,
+    BENCHMARKS.md, fifteenth session): the 16-bit logits stay."""
+    from lowerings.cce.with_logits import rows_aligned
+
+    logits = tensor_value(classifier)
+    vocab = shapes.constant(logits.shape[-1])
+    if vocab is not None and rows_aligned(vocab):
+        return None
+    return (
+        f"returned logits kept {str(logits.dtype).removeprefix('torch.')}, then cast by the graph: fp32 rows of "
+        f"{shapes.render(logits.shape[-1])} classes are not 16-byte aligned, where cuBLAS writes them slowly"
+    )
 
 
 def _returned_as(node: fx.Node, output: fx.Node) -> fx.Node | None:
@@ -571,6 +593,8 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
     params = {"variant": "with_logits" if candidate.returns_logits and variant == "chunked" else variant}
     if candidate.returned_dtype is not None and params["variant"] == "with_logits":
         params["returned_logits_dtype"] = str(candidate.returned_dtype).removeprefix("torch.")
+    if candidate.kept_dtype_reason is not None and params["variant"] == "with_logits":
+        params["returned_logits_dtype_reason"] = candidate.kept_dtype_reason
     if why:
         params["variant_reason"] = why
     return dataclasses.replace(decision, params=params)

@@ -207,6 +207,34 @@ def test_logits_returned_through_a_cast_to_fp32_are_written_in_fp32_by_the_op(re
     torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=1e-2)  # bf16 GEMMs in another order
 
 
+def test_logits_of_an_odd_vocabulary_returned_through_a_cast_stay_16_bit():
+    """fp32 rows of 301 classes are not 16-byte aligned, where cuBLAS's GEMM into them is slow (GPT-2's 50257):
+    the op returns the bf16 logits and the graph's cast runs, as the record says; values stay eager's."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(301, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    hidden = torch.randn(64, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 301, (64,), generator=gen)
+
+    def model(h, t):
+        logits = F.linear(h, weight)
+        return logits.float(), F.cross_entropy(logits.float(), t)
+
+    reports = []
+    torch._dynamo.reset()
+    backend = fxpass.MemoptBackend(options={"strict": True, "force": True, "inner_compiler": "aot_eager"},
+                                   sink=reports.append)
+    logits, loss = torch.compile(model, backend=backend, fullgraph=True)(hidden, targets)
+    (call,) = [node for node in reports[-1].graph_module.graph.nodes
+               if node.target is torch.ops.memopt.cce_with_logits.default]
+    assert (call.args[9] if len(call.args) > 9 else None) is None
+    (record,) = [record for record in reports[-1].records if record.rule == "cce" and record.applied]
+    assert "returned_logits_dtype" not in record.params
+    assert "301 classes are not 16-byte aligned" in record.params["returned_logits_dtype_reason"]
+    expected_logits, expected_loss = model(hidden, targets)
+    assert logits.dtype == torch.float32 and torch.equal(logits, expected_logits)
+    torch.testing.assert_close(loss, expected_loss)
+
+
 @pytest.mark.parametrize(
     "returned",
     [
