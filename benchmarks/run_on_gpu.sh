@@ -28,3 +28,7 @@ for cmd in "$@"; do
   echo "== $cmd"
   eval "$cmd" 2>&1 | tee -a "$OUT/benchmarks.log" | tail -60
 done
+# The device tool brings back only a few files a call: past a handful, $OUT travels as one archive.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 6 ]; then
+  tar czf /tmp/results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/results.tgz "$OUT/results.tgz"
+fi
