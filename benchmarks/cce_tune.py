@@ -246,7 +246,7 @@ def _rowwise_chunk_parts(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> d
     from lowerings.cce import rowwise
 
     vocab = c.shape[0]
-    c = rowwise._padded_rows(c, rowwise.padded_vocab(vocab))
+    c = rowwise.padded_rows(c, rowwise.padded_vocab(vocab))
     padded = rowwise._chunk_logits(e, c, None)
     logits = padded[:, :vocab]
     acc = torch.empty(c.shape, device="cuda", dtype=torch.float32)

@@ -17,11 +17,14 @@ workers).
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -68,14 +71,18 @@ def child(
     setup_s = time.perf_counter() - start
     one_step = e2e.training_step(model, step, inputs, device, autocast=device.type == "cuda")
     row = e2e.Row(model_name, attention, dropout, "whole_model", backend, tokens=batch * seq)
-    if profile is not None:
-        profiled(profile, lambda: e2e.first_call(row, one_step, device))
-    elif samples is not None:
-        with StackSampler() as sampler:
-            e2e.first_call(row, one_step, device)
-        sampler.write(samples)
-    else:
+
+    def run() -> None:
         e2e.first_call(row, one_step, device)
+
+    sampler = StackSampler() if samples is not None else contextlib.nullcontext()
+    with sampler:
+        if profile is not None:
+            profiled(profile, run)
+        else:
+            run()
+    if samples is not None:
+        sampler.write(samples)
     cache = {key: value for key, value in counters["aot_autograd"].items() if key.startswith("autograd_cache")}
     return {
         "variant": variant, "first_call_s": row.first_call_s + setup_s, "torch_compile_call_s": round(setup_s, 2),
@@ -90,8 +97,6 @@ def record_jit_compiles() -> list[tuple[str, float]]:
     first call's share of memopt's eagerly launched kernels. "(precompile)" marks those compiled by memopt's
     precompile threads beside Inductor's compile, "(autograd)" those of the backward, which autograd runs on
     a thread of its own on CUDA. Empty without Triton."""
-    import threading
-
     from lowerings import precompile
 
     compiles: list[tuple[str, float]] = []
@@ -140,9 +145,6 @@ class StackSampler:
     cProfile cannot follow (it sees one thread; on Python 3.12 a second profiler in another thread is refused)."""
 
     def __init__(self, interval: float = 0.005, depth: int = 150) -> None:
-        import collections
-        import threading
-
         self.interval, self.depth = interval, depth
         self.counts: collections.Counter[str] = collections.Counter()
         self._stop = threading.Event()
@@ -157,8 +159,6 @@ class StackSampler:
         self._thread.join()
 
     def _run(self) -> None:
-        import threading
-
         own = threading.get_ident()
         while not self._stop.wait(self.interval):
             names = {thread.ident: thread.name for thread in threading.enumerate()}

@@ -179,9 +179,10 @@ def working_set(
     return terms
 
 
-def _padded_rows(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:
+def padded_rows(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:
     """``tensor`` with zero rows appended up to ``rows`` (itself when it has them): the classifier and its bias
-    padded to ``padded_vocab``, so that the padded logits columns are exactly zero."""
+    padded to ``padded_vocab`` here (to aligned fp32 rows in ``with_logits``), so that the padded logits columns
+    are exactly zero."""
     if tensor is None or tensor.shape[0] == rows:
         return tensor
     padded = tensor.new_zeros((rows, *tensor.shape[1:]))
@@ -249,7 +250,7 @@ def cce_rowwise(
     # leading dimension or reduction length keeps cuBLAS on its slow pre-Hopper kernels (the op 3.2× slower at
     # GPT-2's loss shape on the H200: 30.8 against 9.7 ms).
     width = padded_vocab(vocab)
-    weight_rows, bias_rows = _padded_rows(weight, width), _padded_rows(bias, width)
+    weight_rows, bias_rows = padded_rows(weight, width), padded_rows(bias, width)
     grad_weight_rows = weight.new_empty(0)
     if need_weight:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is zero
         grad_weight_rows = (weight.new_empty if n_rows else weight.new_zeros)((width, weight.shape[1]), dtype=acc)

@@ -47,6 +47,7 @@ from lowerings import precompile
 from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs, _reduce, input_gradients, save_for_backward
+from lowerings.cce.rowwise import padded_rows
 
 
 def row_terms(
@@ -136,8 +137,7 @@ def fp32_logits_by_row_chunks(hidden: torch.Tensor, weight: torch.Tensor) -> tor
     Inductor runs the loop as it is rather than unrolling it over N."""
     vocab = weight.shape[0]
     per_row = _ROW_ALIGNMENT_BYTES // _FP32_BYTES
-    padded = weight.new_zeros(-(-vocab // per_row) * per_row, weight.shape[1])
-    padded[:vocab] = weight
+    padded = padded_rows(weight, -(-vocab // per_row) * per_row)
     out = hidden.new_empty(hidden.shape[0], vocab, dtype=torch.float32)
     row_bytes = padded.shape[0] * _FP32_BYTES
     step = max(1, min(ROW_CHUNK_BYTES, out.numel() * _FP32_BYTES // 16) // row_bytes)  # <= 1/16 of the output

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -175,16 +178,25 @@ WIDENED = {
 }
 
 
-@pytest.mark.parametrize("returned", list(WIDENED))
-def test_logits_returned_through_a_cast_to_fp32_are_written_in_fp32_by_the_op(returned):
-    """bf16 logits returned only through casts to fp32 (accelerate's ``convert_to_fp32``): the op is asked for
-    them in fp32 (``logits_dtype``), so no bf16 copy exists beside the fp32 one; the graph returns exactly
-    eager's values, its loss, and (through the wrapper) eager's gradients. Any other chain leaves the dtype."""
-    transform, widened = WIDENED[returned]
+class _CompiledHead(NamedTuple):
+    model: Callable  # eager: (hidden, targets) -> (transform(logits), loss)
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets: torch.Tensor
+    generator: torch.Generator
+    logits: torch.Tensor  # what the compiled model returned
+    loss: torch.Tensor
+    logits_dtype: torch.dtype | None  # what the rule asked cce_with_logits for (its logits_dtype)
+    report: fxpass.GraphReport
+
+
+def _compiled_bf16_head(vocab: int, transform: Callable) -> _CompiledHead:
+    """A bf16 head of ``vocab`` classes returning ``transform(logits)`` and the loss, compiled by memopt (strict,
+    forced, AOTAutograd without Inductor) and called once."""
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(300, 8, generator=gen).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(vocab, 8, generator=gen).to(torch.bfloat16).requires_grad_()
     hidden = torch.randn(64, 8, generator=gen).to(torch.bfloat16).requires_grad_()
-    targets = torch.randint(0, 300, (64,), generator=gen)
+    targets = torch.randint(0, vocab, (64,), generator=gen)
 
     def model(h, t):
         logits = F.linear(h, weight)
@@ -197,7 +209,20 @@ def test_logits_returned_through_a_cast_to_fp32_are_written_in_fp32_by_the_op(re
     logits, loss = torch.compile(model, backend=backend, fullgraph=True)(hidden, targets)
     (call,) = [node for node in reports[-1].graph_module.graph.nodes
                if node.target is torch.ops.memopt.cce_with_logits.default]
-    assert (call.args[9] if len(call.args) > 9 else None) == widened
+    logits_dtype = call.args[9] if len(call.args) > 9 else None
+    return _CompiledHead(model, hidden, weight, targets, gen, logits, loss, logits_dtype, reports[-1])
+
+
+@pytest.mark.parametrize("returned", list(WIDENED))
+def test_logits_returned_through_a_cast_to_fp32_are_written_in_fp32_by_the_op(returned):
+    """bf16 logits returned only through casts to fp32 (accelerate's ``convert_to_fp32``): the op is asked for
+    them in fp32 (``logits_dtype``), so no bf16 copy exists beside the fp32 one; the graph returns exactly
+    eager's values, its loss, and (through the wrapper) eager's gradients. Any other chain leaves the dtype."""
+    transform, widened = WIDENED[returned]
+    head = _compiled_bf16_head(300, transform)
+    model, hidden, weight, targets, gen = head.model, head.hidden, head.weight, head.targets, head.generator
+    logits, loss = head.logits, head.loss
+    assert head.logits_dtype == widened
     expected_logits, expected_loss = model(hidden, targets)
     assert logits.dtype == expected_logits.dtype and torch.equal(logits, expected_logits)
     torch.testing.assert_close(loss, expected_loss)
@@ -210,29 +235,14 @@ def test_logits_returned_through_a_cast_to_fp32_are_written_in_fp32_by_the_op(re
 def test_logits_of_an_odd_vocabulary_returned_through_a_cast_stay_16_bit():
     """fp32 rows of 301 classes are not 16-byte aligned, where cuBLAS's GEMM into them is slow (GPT-2's 50257):
     the op returns the bf16 logits and the graph's cast runs, as the record says; values stay eager's."""
-    gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(301, 8, generator=gen).to(torch.bfloat16).requires_grad_()
-    hidden = torch.randn(64, 8, generator=gen).to(torch.bfloat16).requires_grad_()
-    targets = torch.randint(0, 301, (64,), generator=gen)
-
-    def model(h, t):
-        logits = F.linear(h, weight)
-        return logits.float(), F.cross_entropy(logits.float(), t)
-
-    reports = []
-    torch._dynamo.reset()
-    backend = fxpass.MemoptBackend(options={"strict": True, "force": True, "inner_compiler": "aot_eager"},
-                                   sink=reports.append)
-    logits, loss = torch.compile(model, backend=backend, fullgraph=True)(hidden, targets)
-    (call,) = [node for node in reports[-1].graph_module.graph.nodes
-               if node.target is torch.ops.memopt.cce_with_logits.default]
-    assert (call.args[9] if len(call.args) > 9 else None) is None
-    (record,) = [record for record in reports[-1].records if record.rule == "cce" and record.applied]
+    head = _compiled_bf16_head(301, lambda logits: logits.float())
+    assert head.logits_dtype is None
+    (record,) = [record for record in head.report.records if record.rule == "cce" and record.applied]
     assert "returned_logits_dtype" not in record.params
     assert "301 classes are not 16-byte aligned" in record.params["returned_logits_dtype_reason"]
-    expected_logits, expected_loss = model(hidden, targets)
-    assert logits.dtype == torch.float32 and torch.equal(logits, expected_logits)
-    torch.testing.assert_close(loss, expected_loss)
+    expected_logits, expected_loss = head.model(head.hidden, head.targets)
+    assert head.logits.dtype == torch.float32 and torch.equal(head.logits, expected_logits)
+    torch.testing.assert_close(head.loss, expected_loss)
 
 
 @pytest.mark.parametrize(
