@@ -48,25 +48,33 @@ def test_weight_gradient_is_unbiased_through_the_kernels(winners):
     assert z.abs().max() < 5.0, z.abs().max().item()
 
 
-def test_compiled_step_draws_with_the_kernel():
+# what each ``wta_crs_sampling`` mode leaves in the compiled forward: traced, the opaque draw with the rest of the
+# sample fused around it; opaque, one sample call per group
+SAMPLING_CALLS = {"traced": "torch.ops.memopt.wta_crs_draw.default", "opaque": "torch.ops.memopt.wta_crs_sample.default"}
+
+
+@pytest.mark.parametrize("sampling", sorted(SAMPLING_CALLS))
+def test_compiled_step_draws_with_the_kernel(sampling):
     """The compiled forward calls the opaque draw (the one-program kernel, nothing for Inductor to analyse or
-    compile) and fuses the rest of the sample: no sort runs on the GPU."""
+    compile), itself or inside the opaque sample: no sort runs on the GPU. The mode is pinned: the test must not
+    depend on ``MEMOPT_WTA_CRS_SAMPLING`` in the environment."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
     block = Block().cuda()
-    step = torch.compile(lambda x: block(x).square().sum(), backend=fxpass.MemoptBackend(options=ON | {"force": True}))
+    options = ON | {"force": True, "wta_crs_sampling": sampling}
+    step = torch.compile(lambda x: block(x).square().sum(), backend=fxpass.MemoptBackend(options=options))
     x = torch.randn(4, 64, 16, device="cuda")
     _, code = run_and_get_code(lambda: step(x).backward())
     code = "\n".join(code)
-    assert "torch.ops.memopt.wta_crs_draw.default" in code
+    assert SAMPLING_CALLS[sampling] in code
     assert "aten.topk" not in code and "aten.sort" not in code
 
 
-def _weight_grads_over_steps(mode: str | None, seed: int, steps: int = 3) -> list[torch.Tensor]:
+def _weight_grads_over_steps(mode: str | None, sampling: str, seed: int, steps: int = 3) -> list[torch.Tensor]:
     torch.manual_seed(0)
     block = Block().cuda()
-    backend = fxpass.MemoptBackend(mode=mode, options=ON | {"force": True})
+    backend = fxpass.MemoptBackend(mode=mode, options=ON | {"force": True, "wta_crs_sampling": sampling})
     step = torch.compile(lambda x: block(x).square().sum(), backend=backend)
     x = torch.randn(4, 64, 16, device="cuda")
     torch.manual_seed(seed)
@@ -79,16 +87,17 @@ def _weight_grads_over_steps(mode: str | None, seed: int, steps: int = 3) -> lis
     return grads
 
 
+@pytest.mark.parametrize("sampling", sorted(SAMPLING_CALLS))
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_fresh_and_reproducible_draws(mode):
+def test_fresh_and_reproducible_draws(mode, sampling):
     """Each step draws a new sample (also when CUDA graphs replay the step); the same seed, the same draws.
 
     Same draws give the same gradients up to the GPU's non-deterministic reductions (~1e-6); different draws
     differ by the estimator's own variance (order 1).
     """
-    first = _weight_grads_over_steps(mode, seed=1)
-    again = _weight_grads_over_steps(mode, seed=1)
-    other = _weight_grads_over_steps(mode, seed=2)
+    first = _weight_grads_over_steps(mode, sampling, seed=1)
+    again = _weight_grads_over_steps(mode, sampling, seed=1)
+    other = _weight_grads_over_steps(mode, sampling, seed=2)
 
     def distance(a, b):
         return ((a - b).norm() / a.norm()).item()
