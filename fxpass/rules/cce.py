@@ -627,6 +627,9 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     chunked = memory_model(candidate, config.assume_device, "chunked").saved
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     if candidate.returns_logits:  # (the wrapper carries their gradient, else _rowwise_blocker declined above)
+        alone = _head_alone(candidate.classifier)
+        if alone:
+            return "rowwise", alone
         # The loss ends the forward, so what the op keeps for the backward sits on the step's peak, beside the
         # returned logits and every activation: measured on the H200, GPT-2 small 0.60× torch.compile's peak
         # (row-wise: 0.62×) and the Llama-3.2-1B shape 0.80× (0.88×), both below torch.compile's time.
@@ -639,6 +642,40 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     figures = f"the row-wise variant frees {shapes.format_bytes(shapes.hint(rowwise))} of the chunked one's " \
         f"{shapes.format_bytes(shapes.hint(chunked))}"
     return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
+
+
+# Matmuls counted by ``_head_alone``, with the position of their left operand (``addmm`` takes a bias first).
+_MATMULS: tuple[tuple[tuple[Any, ...], int], ...] = (
+    ((*LINEAR_TARGETS, *MATMUL_TARGETS, torch.bmm), 0),
+    ((*ADDMM_TARGETS, torch.baddbmm), 1),
+)
+
+
+def _matmul_flops(node: fx.Node) -> int:
+    """2·(output elements)·(reduced length) of a matmul node at the shapes' hints; 0 for anything else."""
+    for targets, operand in _MATMULS:
+        if is_call(node, *targets) and len(node.args) > operand:
+            out, left = tensor_value(node), tensor_value(node.args[operand])
+            if out is None or left is None or left.dim() == 0:
+                return 0
+            return 2 * shapes.hint(out.numel()) * shapes.hint(left.shape[-1])
+    return 0
+
+
+def _head_alone(classifier: fx.Node) -> str:
+    """Why the row-wise op should serve returned logits here, or "": where the graph's other matmuls do less work
+    than the classifier (FSDP2's per-block frames leave head and loss in a graph of their own), little else in
+    the graph runs beside the detached op's extra 2·N·D·V GEMM: FSDP2 at the Llama-3.2-1B shape took 1.05×
+    torch.compile's step time with it (sixteenth session), the op alone 1.52× and the row-wise one 1.04×."""
+    head = _matmul_flops(classifier)
+    rest = sum(_matmul_flops(node) for node in classifier.graph.nodes if node is not classifier)
+    if head == 0 or rest >= head:
+        return ""
+    return (
+        f"returned logits, the head alone in its graph (its other matmuls {rest:.2g} FLOPs against the "
+        f"classifier's {head:.2g}): the detached cce_with_logits' extra 2·N·D·V GEMM would be most of the "
+        "graph's time, so the row-wise op (6·N·D·V) serves it"
+    )
 
 
 def _wrapper_carries_logits(candidate: CceMatch) -> bool:

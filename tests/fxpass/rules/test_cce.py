@@ -631,37 +631,76 @@ class TestVariant(TestCase):
         self.assertIn("of the chunked one's", record.params["variant_reason"])
         self.assertIn("torch.ops.memopt.cce_rowwise.default", after_code(ex))
 
-    def test_auto_serves_returned_logits_with_the_detached_op(self):
-        """Decided as for CUDA, with the logits returned: what the row-wise op keeps for the backward would sit on
-        the step's peak beside them, so "auto" takes ``cce_with_logits`` with the logits detached (the backend's
-        wrapper carries their gradient) and says what it avoided."""
-        vocab, dim = 4096, 16
+    def _returned_logits_loss(self, vocab: int, dim: int, body_width: int | None):
+        """Logits returned beside their loss, after a two-layer body (``body_width`` wide) or straight from the
+        inputs (the head alone in its graph, as FSDP2's per-block frames leave it)."""
         weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+        body = None
+        if body_width is not None:
+            body = nn.Sequential(nn.Linear(dim, body_width), nn.GELU(), nn.Linear(body_width, dim))
 
         def fn(h, t):
-            logits = F.linear(h, weight)
+            logits = F.linear(h if body is None else body(h), weight)
             return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
 
-        hidden = torch.randn(2, 256, dim, requires_grad=True)
-        targets = torch.randint(0, vocab, (2, 256))
+        return fn, [weight, *([] if body is None else body.parameters())]
+
+    def _check_returned_logits(self, fn, params, hidden, targets, variant: str, reason: str, op: str):
+        """The record's variant and reason, the op in the code, and loss, logits and gradients against eager's,
+        also with the returned logits in the loss (their gradient re-attached by the backend's wrapper)."""
         ex = rewritten(fn, hidden, targets, force=False, cce_variant="auto", assume_device="cuda")
         record = ex.records[0]
-        self.assertEqual(record.params["variant"], "with_logits")
-        self.assertIn("detached cce_with_logits keeps nothing for the backward", record.params["variant_reason"])
+        self.assertEqual(record.params["variant"], variant)
+        self.assertIn(reason, record.params["variant_reason"])
         code = after_code(ex)
-        call = code[code.index("torch.ops.memopt.cce_with_logits.default(") :]
-        self.assertTrue(call[: call.index(")")].endswith(", True"), call)  # detach_logits
+        self.assertIn(f"torch.ops.memopt.{op}.default(", code)
         logits, loss = ex.result
         expected_logits, expected_loss = fn(hidden, targets)
         torch.testing.assert_close(logits, expected_logits)
         torch.testing.assert_close(loss, expected_loss)
-        params = [hidden, weight]
+        params = [hidden, *params]
         assert_close_all(grads(loss, params), grads(expected_loss, params))
-        # the logits' own gradient, re-attached by the wrapper, is the linear layer's backward
         logits, loss = rewritten(fn, hidden, targets, force=False, cce_variant="auto", assume_device="cuda").result
         expected_logits, expected_loss = fn(hidden, targets)
         assert_close_all(grads(logits.square().mean() + loss, params),
                          grads(expected_logits.square().mean() + expected_loss, params))
+        return code
+
+    def test_auto_serves_returned_logits_with_the_detached_op(self):
+        """Decided as for CUDA, with the logits returned after a body that outweighs the head: what the row-wise
+        op keeps for the backward would sit on the step's peak beside them, so "auto" takes ``cce_with_logits``
+        with the logits detached (the backend's wrapper carries their gradient) and says what it avoided."""
+        vocab, dim = 4096, 16
+        fn, params = self._returned_logits_loss(vocab, dim, body_width=4096)  # 2·16·4096 > 4096·16 a token
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        code = self._check_returned_logits(
+            fn, params, hidden, torch.randint(0, vocab, (2, 256)), "with_logits",
+            "detached cce_with_logits keeps nothing for the backward", "cce_with_logits",
+        )
+        call = code[code.index("torch.ops.memopt.cce_with_logits.default(") :]
+        self.assertTrue(call[: call.index(")")].endswith(", True"), call)  # detach_logits
+
+    def test_auto_serves_head_alone_returned_logits_with_the_rowwise_op(self):
+        """The head alone in its graph (FSDP2 compiles each block as a frame of its own): nothing else runs
+        beside the detached op's extra GEMM, so "auto" takes the row-wise op, which returns the logits too."""
+        vocab, dim = 4096, 16
+        fn, params = self._returned_logits_loss(vocab, dim, body_width=None)
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        self._check_returned_logits(
+            fn, params, hidden, torch.randint(0, vocab, (2, 256)), "rowwise", "the head alone in its graph",
+            "cce_rowwise",
+        )
+
+    def test_a_small_body_leaves_the_head_alone(self):
+        """A body whose matmuls do less work than the classifier still counts as the head alone."""
+        vocab, dim = 4096, 16
+        fn, _ = self._returned_logits_loss(vocab, dim, body_width=512)  # 2·16·512 < 4096·16 a token
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
+                       assume_device="cuda")
+        self.assertEqual(ex.records[0].params["variant"], "rowwise")
+        self.assertRegex(ex.records[0].params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the "
+                         r"classifier's 6\.7e\+07")
 
     def test_auto_keeps_chunked_off_cuda(self):
         """The same loss decided for the CPU: the row-wise op's chunk loop is the slower there."""

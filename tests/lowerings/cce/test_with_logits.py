@@ -222,10 +222,12 @@ def test_kernel_backward_folds_the_logits_gradient(monkeypatch, dtype, bias, sof
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["chunked", "auto"])
 @pytest.mark.parametrize("use_logits", [False, True])
-def test_cuda_compiled_whole_head(use_logits):
+def test_cuda_compiled_whole_head(use_logits, variant):
     """On CUDA through Inductor (the op's body traced, the fp32 upcast fused into the log-sum-exp): loss,
-    logits and gradients no worse than eager bf16's against float64."""
+    logits and gradients no worse than eager bf16's against float64. "chunked" pins ``cce_with_logits``; "auto"
+    serves this head, alone in its graph, with the row-wise op."""
     torch.manual_seed(0)
     n, vocab, dim = 1000, 5003, 256
     hidden = torch.randn(n, dim, device="cuda")
@@ -238,7 +240,7 @@ def test_cuda_compiled_whole_head(use_logits):
         logits = F.linear(h, w)
         return logits, F.cross_entropy(logits.float(), t)
 
-    compiled = torch.compile(head, backend="memopt", fullgraph=True, options={"force": True})
+    compiled = torch.compile(head, backend="memopt", fullgraph=True, options={"force": True, "cce_variant": variant})
     results = []
     for fn, dtype in ((compiled, torch.bfloat16), (head, torch.bfloat16), (head, torch.float64)):
         leaves = [t.to(dtype).requires_grad_() for t in (hidden, weight)]
@@ -274,7 +276,9 @@ def test_cuda_logits_returned_through_a_cast_are_written_in_fp32(dtype, vocab):
         return logits.float(), F.cross_entropy(logits.float(), t)
 
     reports = []
-    backend = fxpass.MemoptBackend(options={"force": True, "strict": True}, sink=reports.append)
+    # a head alone in its graph: "auto" would take the row-wise op, which returns the logits in their dtype
+    options = {"force": True, "strict": True, "cce_variant": "chunked"}
+    backend = fxpass.MemoptBackend(options=options, sink=reports.append)
     compiled = torch.compile(head, backend=backend, fullgraph=True)
     compiled(hidden, weight, targets)[1].backward()  # compile, warm up
     (call,) = [node for node in reports[-1].graph_module.graph.nodes
