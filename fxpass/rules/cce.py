@@ -612,8 +612,8 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     "auto" takes the row-wise variant on CUDA (off CUDA it is the slower of the two) where it may serve the loss
     and still frees at least 3/4 of what the chunked one frees: a quarter of the FLOPs for at most a quarter of
     the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Where the graph also returns the logits, the
-    chunked side is the detached ``cce_with_logits``, which "auto" takes (see below). Returns an empty reason
-    where there was nothing to weigh."""
+    chunked side is the detached ``cce_with_logits``, which "auto" takes (see below), unless the head is alone
+    in its graph (``_head_alone``). Returns an empty reason where there was nothing to weigh."""
     if config.cce_variant == "chunked":
         return "chunked", ""
     blocker = _rowwise_blocker(candidate, config)
