@@ -691,6 +691,23 @@ class TestVariant(TestCase):
             "cce_rowwise",
         )
 
+    def test_a_body_of_addmm_counts(self):
+        """GPT-2's Conv1D layers are ``torch.addmm`` (bias first): their work counts against the head's too."""
+        vocab, dim, width = 4096, 16, 4096
+        weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+        up, down = nn.Parameter(torch.randn(dim, width) * 0.1), nn.Parameter(torch.randn(width, dim) * 0.02)
+        up_bias, down_bias = nn.Parameter(torch.zeros(width)), nn.Parameter(torch.zeros(dim))
+
+        def fn(h, t):
+            x = torch.addmm(down_bias, torch.addmm(up_bias, h.view(-1, dim), up).relu(), down)
+            logits = F.linear(x.view(h.shape), weight)
+            return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
+
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
+                       assume_device="cuda")
+        self.assertEqual(ex.records[0].params["variant"], "with_logits")
+
     def test_a_small_body_leaves_the_head_alone(self):
         """A body whose matmuls do less work than the classifier still counts as the head alone."""
         vocab, dim = 4096, 16
