@@ -14,7 +14,11 @@ Flows:
 - ``loss_only``: ``torch.compile(lambda ids, labels: model(...).loss)``, the step that returns only the loss;
 - ``whole_model``: ``torch.compile(model)``, then ``loss = out.loss`` with the output (logits) dropped;
 - ``padded``: the whole model with a tokenizer-style right-padded ``attention_mask`` (every sequence but the
-  first ends in 1/8 or 1/4 padding, labelled -100).
+  first ends in 1/8 or 1/4 padding, labelled -100);
+- ``fsdp`` (not in the default list): the whole model under FSDP2 in a world of one (``fully_shard`` on every
+  block, then the root, as ``benchmarks/distributed.py`` wraps it; no KV cache, so the blocks share one graph).
+  Each sharded block is a frame of its own, so head and loss compile as a graph alone; the two backends' steps
+  alternate here, where ``distributed.py`` times its variants one after another.
 
 ``--checkpointing off,on`` adds the same cases with HF's ``gradient_checkpointing_enable()`` (non-reentrant
 ``torch.utils.checkpoint`` around every layer), so the table shows checkpointing alone (torch.compile, on) beside
@@ -42,6 +46,7 @@ log = logging.getLogger("benchmarks.e2e")
 
 MODELS = ("gpt2", "llama-1b")
 FLOWS = ("loss_only", "whole_model", "padded")
+FSDP_FLOW = "fsdp"  # opt-in: needs a process group, which the first such case starts (a world of one)
 BACKENDS = ("torch.compile", "memopt")
 
 
@@ -125,6 +130,8 @@ def compiled_step(model, flow: str, backend: str, inner: str, options: dict | No
         compile_backend = MemoptBackend(options={"inner_compiler": inner, **(options or {})})
     else:
         compile_backend = inner
+    if flow == FSDP_FLOW:
+        model = shard_per_block(model)
     if flow == "loss_only":
         loss_of = torch.compile(
             lambda ids, labels, mask: model(input_ids=ids, labels=labels, attention_mask=mask).loss,
@@ -133,6 +140,39 @@ def compiled_step(model, flow: str, backend: str, inner: str, options: dict | No
         return loss_of
     whole = torch.compile(model, backend=compile_backend)
     return lambda ids, labels, mask: whole(input_ids=ids, labels=labels, attention_mask=mask).loss
+
+
+def shard_per_block(model):
+    """FSDP2 as ``benchmarks/distributed.py`` applies it, in a world of one: ``fully_shard`` on every block, then
+    on the root. Without the KV cache the blocks pass the same guards and share one graph."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fxpass.integrations.blocks import allow_a_graph_per_block, find_blocks
+
+    join_world_of_one(next(model.parameters()).device)
+    model.config.use_cache = False
+    blocks = find_blocks(model)
+    allow_a_graph_per_block(len(blocks))  # each sharded block is a frame of its own
+    for _, block in blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def join_world_of_one(device: torch.device) -> None:
+    """A process group of this process alone (NCCL on a GPU, gloo on CPU), once, left at exit. Its address is
+    passed, not set in the environment, which processes spawned later would inherit."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from examples.distributed.train import free_port
+
+    if dist.is_initialized():
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
 def training_step(model, step: Callable, batch, device: torch.device, autocast: bool) -> Callable[[], torch.Tensor]:

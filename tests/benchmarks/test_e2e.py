@@ -37,3 +37,21 @@ def test_checkpointing_cases(tmp_path):
     assert [row.rewrites for row in rows if row.backend == "memopt"] == ["attention×2, cce×1"]
     report = (tmp_path / "e2e.md").read_text()
     assert report.count("| gpt2 | eager | 0 | on | loss_only |") == 1
+
+
+def test_fsdp_flow_alternates_both_backends(tmp_path):
+    """``--flows fsdp``: the whole model under FSDP2 in a world of one (gloo here), each backend's steps timed in
+    turn; memopt rewrites the head graph, which FSDP2's per-block frames leave alone."""
+    import torch.distributed as dist
+
+    argv = ["--tiny", "--inner", "aot_eager", "--steps", "1", "--device", "cpu", "--precision", "fp32", "--models",
+            "llama-1b", "--attention", "eager", "--dropout", "0", "--flows", "fsdp", "--seq", "16",
+            "--out", str(tmp_path), "--memopt-options", '{"force": true}']  # fmt: skip
+    try:
+        rows = e2e.main(argv)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert [(row.flow, row.backend) for row in rows] == [("fsdp", backend) for backend in e2e.BACKENDS]
+    assert all(row.error is None and row.step_ms > 0 for row in rows), [row.error for row in rows]
+    assert "cce×1" in rows[1].rewrites, rows[1].rewrites
