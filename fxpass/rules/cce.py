@@ -662,13 +662,24 @@ def _matmul_flops(node: fx.Node) -> int:
     return 0
 
 
+def _graphs_of(graph: fx.Graph) -> list[fx.Graph]:
+    """``graph`` and the graphs of its sub-modules: the bodies of checkpointed regions and other higher-order
+    calls, whose matmuls run in the step as much as the graph's own."""
+    owner = graph.owning_module
+    if owner is None:
+        return [graph]
+    bodies = [module.graph for module in owner.modules() if isinstance(module, fx.GraphModule) and module is not owner]
+    return [graph, *bodies]
+
+
 def _head_alone(classifier: fx.Node) -> str:
     """Why the row-wise op should serve returned logits here, or "": where the graph's other matmuls do less work
     than the classifier (FSDP2's per-block frames leave head and loss in a graph of their own), little else in
     the graph runs beside the detached op's extra 2·N·D·V GEMM: FSDP2 at the Llama-3.2-1B shape took 1.05×
     torch.compile's step time with it (sixteenth session), the op alone 1.52× and the row-wise one 1.04×."""
     head = _matmul_flops(classifier)
-    rest = sum(_matmul_flops(node) for node in classifier.graph.nodes if node is not classifier)
+    rest = sum(_matmul_flops(node) for graph in _graphs_of(classifier.graph) for node in graph.nodes
+               if node is not classifier)
     if head == 0 or rest >= head:
         return ""
     return (

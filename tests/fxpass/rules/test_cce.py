@@ -708,6 +708,23 @@ class TestVariant(TestCase):
                        assume_device="cuda")
         self.assertEqual(ex.records[0].params["variant"], "with_logits")
 
+    def test_a_checkpointed_body_counts(self):
+        """A body under activation checkpointing (HF's ``gradient_checkpointing_enable``) is a region of its own in
+        the graph: its matmuls still count against the head's, so the whole model keeps ``cce_with_logits``."""
+        vocab, dim, width = 4096, 16, 4096
+        weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
+        body = nn.Sequential(nn.Linear(dim, width), nn.GELU(), nn.Linear(width, dim))
+
+        def fn(h, t):
+            x = torch.utils.checkpoint.checkpoint(body, h, use_reentrant=False)
+            logits = F.linear(x, weight)
+            return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
+
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
+                       assume_device="cuda")
+        self.assertEqual(ex.records[0].params["variant"], "with_logits")
+
     def test_a_small_body_leaves_the_head_alone(self):
         """A body whose matmuls do less work than the classifier still counts as the head alone."""
         vocab, dim = 4096, 16
