@@ -131,7 +131,7 @@ def compiled_step(model, flow: str, backend: str, inner: str, options: dict | No
     else:
         compile_backend = inner
     if flow == FSDP_FLOW:
-        model = shard_per_block(model)
+        model = sharded_in_world_of_one(model)
     if flow == "loss_only":
         loss_of = torch.compile(
             lambda ids, labels, mask: model(input_ids=ids, labels=labels, attention_mask=mask).loss,
@@ -142,21 +142,16 @@ def compiled_step(model, flow: str, backend: str, inner: str, options: dict | No
     return lambda ids, labels, mask: whole(input_ids=ids, labels=labels, attention_mask=mask).loss
 
 
-def shard_per_block(model):
-    """FSDP2 as ``benchmarks/distributed.py`` applies it, in a world of one: ``fully_shard`` on every block, then
-    on the root. Without the KV cache the blocks pass the same guards and share one graph."""
-    from torch.distributed.fsdp import fully_shard
-
-    from fxpass.integrations.blocks import allow_a_graph_per_block, find_blocks
+def sharded_in_world_of_one(model):
+    """FSDP2 as ``benchmarks/distributed.py`` applies it (``shard_per_block``), in a world of one. Without the KV
+    cache the blocks pass the same guards and share one graph."""
+    from examples.distributed.train import shard_per_block
+    from fxpass.integrations.blocks import allow_a_graph_per_block
 
     join_world_of_one(next(model.parameters()).device)
     model.config.use_cache = False
-    blocks = find_blocks(model)
-    allow_a_graph_per_block(len(blocks))  # each sharded block is a frame of its own
-    for _, block in blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
+    allow_a_graph_per_block(model.config.num_hidden_layers)  # each sharded block is a frame of its own
+    return shard_per_block(model)
 
 
 def join_world_of_one(device: torch.device) -> None:

@@ -118,8 +118,6 @@ def backend_for(variant: str, setup: Setup) -> tuple[Callable | str, dict[str, A
 
 def wrap(model: nn.Module, setup: Setup, device: torch.device) -> nn.Module:
     """DDP around the model, or FSDP2: ``fully_shard`` on each block, then on the root."""
-    from fxpass.integrations.blocks import find_blocks
-
     if setup.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -132,14 +130,21 @@ def wrap(model: nn.Module, setup: Setup, device: torch.device) -> nn.Module:
         ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids, **kwargs)
     if setup.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        inner = model.model if hasattr(model, "loss_of_hidden") else model
-        for _, block in find_blocks(inner):
-            fully_shard(block)
-        fully_shard(model)
-        return model
+        return shard_per_block(model)
     raise ValueError(f"unknown parallelism {setup.parallel!r}")
+
+
+def shard_per_block(model: nn.Module) -> nn.Module:
+    """FSDP2: ``fully_shard`` on each block (of the model inside ``HeadLoss``), then on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fxpass.integrations.blocks import find_blocks
+
+    inner = model.model if hasattr(model, "loss_of_hidden") else model
+    for _, block in find_blocks(inner):
+        fully_shard(block)
+    fully_shard(model)
+    return model
 
 
 def compiled_step(variant: str, setup: Setup, device: torch.device) -> tuple[nn.Module, Callable]:

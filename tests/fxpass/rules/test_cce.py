@@ -631,19 +631,27 @@ class TestVariant(TestCase):
         self.assertIn("of the chunked one's", record.params["variant_reason"])
         self.assertIn("torch.ops.memopt.cce_rowwise.default", after_code(ex))
 
-    def _returned_logits_loss(self, vocab: int, dim: int, body_width: int | None):
-        """Logits returned beside their loss, after a two-layer body (``body_width`` wide) or straight from the
-        inputs (the head alone in its graph, as FSDP2's per-block frames leave it)."""
+    def _returned_logits_loss(self, vocab: int, dim: int, body=None):
+        """Logits returned beside their loss, after ``body`` (a module, or a function of the hidden states) or
+        straight from the inputs (the head alone in its graph, as FSDP2's per-block frames leave it)."""
         weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
-        body = None
-        if body_width is not None:
-            body = nn.Sequential(nn.Linear(dim, body_width), nn.GELU(), nn.Linear(body_width, dim))
 
         def fn(h, t):
             logits = F.linear(h if body is None else body(h), weight)
             return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
 
-        return fn, [weight, *([] if body is None else body.parameters())]
+        return fn, [weight, *(body.parameters() if isinstance(body, nn.Module) else ())]
+
+    @staticmethod
+    def _mlp(dim: int, width: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(dim, width), nn.GELU(), nn.Linear(width, dim))
+
+    def _decided(self, fn, vocab: int, dim: int) -> dict:
+        """The CCE record's params for ``fn`` on [2, 256, dim] hidden states, decided as for CUDA."""
+        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
+                       assume_device="cuda")
+        return ex.records[0].params
 
     def _check_returned_logits(self, fn, params, hidden, targets, variant: str, reason: str, op: str):
         """The record's variant and reason, the op in the code, and loss, logits and gradients against eager's,
@@ -671,7 +679,7 @@ class TestVariant(TestCase):
         op keeps for the backward would sit on the step's peak beside them, so "auto" takes ``cce_with_logits``
         with the logits detached (the backend's wrapper carries their gradient) and says what it avoided."""
         vocab, dim = 4096, 16
-        fn, params = self._returned_logits_loss(vocab, dim, body_width=4096)  # 2·16·4096 > 4096·16 a token
+        fn, params = self._returned_logits_loss(vocab, dim, self._mlp(dim, 4096))  # 2·16·4096 > 4096·16 a token
         hidden = torch.randn(2, 256, dim, requires_grad=True)
         code = self._check_returned_logits(
             fn, params, hidden, torch.randint(0, vocab, (2, 256)), "with_logits",
@@ -684,7 +692,7 @@ class TestVariant(TestCase):
         """The head alone in its graph (FSDP2 compiles each block as a frame of its own): nothing else runs
         beside the detached op's extra GEMM, so "auto" takes the row-wise op, which returns the logits too."""
         vocab, dim = 4096, 16
-        fn, params = self._returned_logits_loss(vocab, dim, body_width=None)
+        fn, params = self._returned_logits_loss(vocab, dim)
         hidden = torch.randn(2, 256, dim, requires_grad=True)
         self._check_returned_logits(
             fn, params, hidden, torch.randint(0, vocab, (2, 256)), "rowwise", "the head alone in its graph",
@@ -694,47 +702,33 @@ class TestVariant(TestCase):
     def test_a_body_of_addmm_counts(self):
         """GPT-2's Conv1D layers are ``torch.addmm`` (bias first): their work counts against the head's too."""
         vocab, dim, width = 4096, 16, 4096
-        weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
         up, down = nn.Parameter(torch.randn(dim, width) * 0.1), nn.Parameter(torch.randn(width, dim) * 0.02)
         up_bias, down_bias = nn.Parameter(torch.zeros(width)), nn.Parameter(torch.zeros(dim))
 
-        def fn(h, t):
+        def body(h):
             x = torch.addmm(down_bias, torch.addmm(up_bias, h.view(-1, dim), up).relu(), down)
-            logits = F.linear(x.view(h.shape), weight)
-            return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
+            return x.view(h.shape)
 
-        hidden = torch.randn(2, 256, dim, requires_grad=True)
-        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
-                       assume_device="cuda")
-        self.assertEqual(ex.records[0].params["variant"], "with_logits")
+        fn, _ = self._returned_logits_loss(vocab, dim, body)
+        self.assertEqual(self._decided(fn, vocab, dim)["variant"], "with_logits")
 
     def test_a_checkpointed_body_counts(self):
         """A body under activation checkpointing (HF's ``gradient_checkpointing_enable``) is a region of its own in
         the graph: its matmuls still count against the head's, so the whole model keeps ``cce_with_logits``."""
-        vocab, dim, width = 4096, 16, 4096
-        weight = nn.Parameter(torch.randn(vocab, dim) * 0.02)
-        body = nn.Sequential(nn.Linear(dim, width), nn.GELU(), nn.Linear(width, dim))
-
-        def fn(h, t):
-            x = torch.utils.checkpoint.checkpoint(body, h, use_reentrant=False)
-            logits = F.linear(x, weight)
-            return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
-
-        hidden = torch.randn(2, 256, dim, requires_grad=True)
-        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
-                       assume_device="cuda")
-        self.assertEqual(ex.records[0].params["variant"], "with_logits")
+        vocab, dim = 4096, 16
+        mlp = self._mlp(dim, 4096)
+        fn, _ = self._returned_logits_loss(
+            vocab, dim, lambda h: torch.utils.checkpoint.checkpoint(mlp, h, use_reentrant=False)
+        )
+        self.assertEqual(self._decided(fn, vocab, dim)["variant"], "with_logits")
 
     def test_a_small_body_leaves_the_head_alone(self):
         """A body whose matmuls do less work than the classifier still counts as the head alone."""
         vocab, dim = 4096, 16
-        fn, _ = self._returned_logits_loss(vocab, dim, body_width=512)  # 2·16·512 < 4096·16 a token
-        hidden = torch.randn(2, 256, dim, requires_grad=True)
-        ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
-                       assume_device="cuda")
-        self.assertEqual(ex.records[0].params["variant"], "rowwise")
-        self.assertRegex(ex.records[0].params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the "
-                         r"classifier's 6\.7e\+07")
+        fn, _ = self._returned_logits_loss(vocab, dim, self._mlp(dim, 512))  # 2·16·512 < 4096·16 a token
+        params = self._decided(fn, vocab, dim)
+        self.assertEqual(params["variant"], "rowwise")
+        self.assertRegex(params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the classifier's 6\.7e\+07")
 
     def test_auto_keeps_chunked_off_cuda(self):
         """The same loss decided for the CPU: the row-wise op's chunk loop is the slower there."""
