@@ -136,7 +136,7 @@ def allocation_site(frames: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt2", help="a model of benchmarks/e2e.py")
-    parser.add_argument("--flow", default="loss_only", choices=["loss_only", "whole_model", "padded"])
+    parser.add_argument("--flow", default="loss_only", choices=["loss_only", "whole_model", "padded", "fsdp"])
     parser.add_argument("--variants", default="torch.compile,memopt")
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--dropout", default="0")
