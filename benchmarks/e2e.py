@@ -30,6 +30,7 @@ checkpointing + memopt (memopt, on), and both beside the runs without it:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -170,14 +171,25 @@ def join_world_of_one(device: torch.device) -> None:
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 
-def training_step(model, step: Callable, batch, device: torch.device, autocast: bool) -> Callable[[], torch.Tensor]:
-    """One forward + backward of ``step`` on ``batch``, from zeroed (kept) gradients."""
+FORWARD_RANGE, BACKWARD_RANGE = "step.forward", "step.backward"
+
+
+def _named(name: str, enabled: bool):
+    return torch.profiler.record_function(name) if enabled else contextlib.nullcontext()
+
+
+def training_step(
+    model, step: Callable, batch, device: torch.device, autocast: bool, phases: bool = False
+) -> Callable[[], torch.Tensor]:
+    """One forward + backward of ``step`` on ``batch``, from zeroed (kept) gradients. ``phases`` names the two in
+    a profile (``FORWARD_RANGE``, ``BACKWARD_RANGE``), for ``profile_step.py --trace``."""
 
     def one_step():
         model.zero_grad(set_to_none=False)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        with _named(FORWARD_RANGE, phases), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = step(*batch)
-        loss.backward()
+        with _named(BACKWARD_RANGE, phases):
+            loss.backward()
         return loss
 
     return one_step

@@ -7,11 +7,17 @@ Each variant ("torch.compile", "memopt", or "memopt:<options as JSON>") compiles
 steps ``--warmup`` times, then ``--steps`` profiled steps. Prints, per variant, the wall time per step and the
 ``--top`` operators by their own device time (kernels under the op that launched them), so that two variants'
 tables can be read side by side.
+
+``--trace DIR`` also writes each variant's Chrome trace (open it in Perfetto) and tells, for the forward and
+the backward apart, how long the GPU was busy within the span of the work each launched: a phase whose GPU
+waits is bound by the CPU, where moving GPU work into it costs nothing and moving work out of it saves nothing.
+``--flow fsdp`` profiles the FSDP2 step of ``e2e.py`` (a world of one).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import linecache
 import logging
@@ -26,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import error_note
-from benchmarks.e2e import build_model, compiled_step, make_batch, training_step
+from benchmarks.e2e import BACKWARD_RANGE, FORWARD_RANGE, build_model, compiled_step, make_batch, training_step
 
 log = logging.getLogger("profile_step")
 
@@ -45,7 +51,7 @@ def profile_variant(args: argparse.Namespace, variant: str, device: torch.device
     seq, size = args.seq, args.batch
     batch = make_batch(model.config.vocab_size, size, seq, args.flow == "padded", device)
     step = compiled_step(model, args.flow, backend, "inductor", options)
-    one_step = training_step(model, step, batch, device, autocast=not args.fp32)
+    one_step = training_step(model, step, batch, device, autocast=not args.fp32, phases=args.trace is not None)
     for _ in range(args.warmup):
         one_step()
     torch.cuda.synchronize(device) if device.type == "cuda" else None
@@ -61,12 +67,86 @@ def profile_variant(args: argparse.Namespace, variant: str, device: torch.device
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=70)
     text = f"## {variant}: {wall_ms:.1f} ms a step (wall, profiled)\n{table}"
+    if args.trace is not None:
+        path = Path(args.trace) / f"{re.sub(r'[^A-Za-z0-9]+', '_', variant).strip('_')}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(path))
+        text += f"\n{phase_table(phase_times(json.loads(path.read_text())))}\ntrace: {path}"
     if args.memory and device.type == "cuda":
         try:
             text += "\n" + memory_at_peak(one_step, args.top)
         except Exception as error:  # the history's format is private to torch: report, keep the timings
             text += f"\nmemory history failed: {error_note(error)}"
     return text
+
+
+DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+LAUNCH_CATEGORIES = {"cuda_runtime", "cuda_driver"}
+
+
+@dataclasses.dataclass
+class PhaseTime:
+    """One phase of a step (forward or backward), per step, in ms: the CPU's time in it, and the span of the GPU
+    work it launched (first start to last end), of which the GPU was busy (the union of its kernels and copies)."""
+
+    steps: int = 0
+    cpu_ms: float = 0.0
+    gpu_span_ms: float = 0.0
+    gpu_busy_ms: float = 0.0
+
+    @property
+    def gpu_idle_ms(self) -> float:
+        return self.gpu_span_ms - self.gpu_busy_ms
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def phase_times(trace: dict, phases: tuple[str, ...] = (FORWARD_RANGE, BACKWARD_RANGE)) -> dict[str, PhaseTime]:
+    """Where a step's GPU waits, by phase, from a Chrome trace of ``torch.profiler``: each kernel or copy belongs
+    to the phase whose CPU range (``record_function``) launched it (the launch is found by its correlation id).
+    A phase whose GPU span is much longer than its busy time was bound by the CPU: the GPU waited on launches."""
+    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X"]
+    ranges = sorted((event["ts"], event["ts"] + event["dur"], event["name"]) for event in events
+                    if event.get("cat") == "user_annotation" and event.get("name") in phases)
+    launched_at = {event["args"]["correlation"]: event["ts"] for event in events
+                   if event.get("cat") in LAUNCH_CATEGORIES and "correlation" in event.get("args", {})}
+    work: list[list[tuple[float, float]]] = [[] for _ in ranges]
+    for event in events:
+        launch = launched_at.get(event.get("args", {}).get("correlation"))
+        if event.get("cat") not in DEVICE_CATEGORIES or launch is None:
+            continue
+        index = next((i for i, (start, end, _) in enumerate(ranges) if start <= launch <= end), None)
+        if index is not None:
+            work[index].append((event["ts"], event["ts"] + event["dur"]))
+    totals = {name: PhaseTime() for name in phases}
+    for (start, end, name), intervals in zip(ranges, work, strict=True):
+        total = totals[name]
+        total.steps += 1
+        total.cpu_ms += (end - start) / 1e3
+        if intervals:
+            total.gpu_span_ms += (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3
+            total.gpu_busy_ms += _union_us(intervals) / 1e3
+    return {name: _per_step(total) for name, total in totals.items()}
+
+
+def _per_step(total: PhaseTime) -> PhaseTime:
+    steps = max(total.steps, 1)
+    return PhaseTime(total.steps, total.cpu_ms / steps, total.gpu_span_ms / steps, total.gpu_busy_ms / steps)
+
+
+def phase_table(found: dict[str, PhaseTime]) -> str:
+    rows = ["| phase | steps | CPU ms | GPU span ms | GPU busy ms | GPU idle in span ms |", "|---|---|---|---|---|---|"]
+    for name, t in found.items():
+        rows.append(f"| {name} | {t.steps} | {t.cpu_ms:.2f} | {t.gpu_span_ms:.2f} | {t.gpu_busy_ms:.2f} "
+                    f"| {t.gpu_idle_ms:.2f} |")
+    return "\n".join(rows)
 
 
 def memory_at_peak(one_step, top: int) -> str:
@@ -148,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--memory", action="store_true", help="also list what is allocated at a step's peak")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="write each variant's Chrome trace there, with the GPU's busy and idle time by phase")
     parser.add_argument("--layers", type=int, default=None, help="blocks of the model (default: its config's)")
     parser.add_argument("--tiny", action="store_true", help="small models: check the script")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
