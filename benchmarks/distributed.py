@@ -13,9 +13,11 @@ graph) and trains with AdamW under bf16 autocast, fp32 weights. Rank 0 appends o
 - ``check``: loss and gradients (gathered whole) after one step from the same weights and batch, against
   torch.compile's: ``loss_abs_diff``, ``grad_max_rel_diff`` (max over parameters of ‖g − g_tc‖ / ‖g_tc‖) and
   ``match`` (both within ``--tol``);
-- timing: median step (forward, backward, optimizer) over ``--steps`` after ``--warmup``, the slowest rank's;
-  tokens/s over all ranks; peak allocated per GPU (a list, one per rank) above nothing (weights, gradients and
-  optimizer state included); the first step's time (compilation);
+- timing: median step (forward, backward, optimizer) over ``--steps`` after ``--warmup``, the slowest rank's,
+  with the variants of a model compiled side by side and their steps taken in turns (``--sequential``: each
+  alone, freed before the next, for GPUs that cannot hold them all); tokens/s over all ranks; peak allocated
+  per GPU (a list, one per rank) as if the variant were alone: what a step adds, plus what the variant keeps
+  between steps (weights, optimizer state, DDP's buckets); the first step's time (compilation);
 - ``--max-batch``: the largest per-GPU batch that steps without running out of memory (doubling, then bisection;
   every rank must succeed);
 - the rewrites memopt applied on each rank.
@@ -115,10 +117,10 @@ def all_ok(ok: bool) -> bool:
 
 
 def new_step(variant: str, setup: Setup, device: torch.device) -> tuple[torch.nn.Module, Callable, Callable]:
-    """(model, train step of a batch returning the loss, optimizer step)."""
+    """(model, train step of a batch returning the loss, optimizer step). Dynamo's caches are left alone, so that
+    cases compiled before stay compiled (the caller resets between groups of cases)."""
     import fxpass
 
-    torch._dynamo.reset()
     fxpass.clear_reports()
     model, step = compiled_step(variant, setup, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
@@ -150,10 +152,24 @@ def compare(row: Row, loss: float, grads: dict, reference: tuple[float, dict]) -
     )
 
 
-def measure(row: Row, setup: Setup, args, device: torch.device, reference) -> tuple[float, dict] | None:
+@dataclasses.dataclass
+class Case:
+    """A compiled, warmed-up variant, ready to be timed beside the others."""
+
+    row: Row
+    step: Callable[[], None]  # a train step and an optimizer step
+    resident_bytes: int  # what the case keeps between steps on this rank: weights, optimizer state, buckets
+
+
+def allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def prepare(row: Row, setup: Setup, args, device: torch.device, reference) -> tuple[Case | None, tuple | None]:
     """Compile and take the first step (checked against ``reference``, torch.compile's loss and gathered
-    gradients, when ``--check``), warm up, time; peak per rank. Returns this case's (loss, gradients) when it
-    is the reference."""
+    gradients, when ``--check``), then warm up. Returns the case (None with ``--no-timing``) and this case's
+    (loss, gradients) when it is the reference."""
+    before = allocated(device)
     model, train_step, optimizer_step = new_step(row.variant, setup, device)
     batch = make_batch(model.config.vocab_size, row.batch, row.seq, dist.get_rank(), device)
     start = time.perf_counter()
@@ -171,28 +187,52 @@ def measure(row: Row, setup: Setup, args, device: torch.device, reference) -> tu
         del grads
     optimizer_step()
     if args.no_timing:
-        return kept
+        return None, kept
+
+    def step() -> None:
+        train_step(batch)
+        optimizer_step()
+
     for _ in range(args.warmup):
-        train_step(batch)
-        optimizer_step()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        sync(device)
-        begin = time.perf_counter()
-        train_step(batch)
-        optimizer_step()
-        sync(device)
-        times.append((time.perf_counter() - begin) * 1e3)
-    row.step_ms = slowest(statistics.median(times))
-    row.tokens_per_s = row.world * row.batch * row.seq / row.step_ms * 1e3
-    if device.type == "cuda":
-        row.peak_mib = gather(torch.cuda.max_memory_allocated(device) / 2**20)
-    return kept
+        step()
+    sync(device)
+    return Case(row, step, allocated(device) - before), kept
+
+
+def time_cases(cases: list[Case], steps: int, device: torch.device) -> None:
+    """Time the cases' steps in turns (a step of each, ``steps`` times), so that drift of clocks and neighbours
+    reaches every case alike; then each case's peak per rank: what one step adds to what is allocated, plus what
+    the case keeps between steps, as if it were alone on the GPU. A case that fails leaves the turns."""
+    times: dict[int, list[float]] = {id(case): [] for case in cases}
+    active = list(cases)
+    for _ in range(steps):
+        for case in list(active):
+            try:
+                sync(device)
+                begin = time.perf_counter()
+                case.step()
+                sync(device)
+                times[id(case)].append((time.perf_counter() - begin) * 1e3)
+            except Exception as error:  # the others go on (ranks run the same shapes, so they fail together)
+                log.exception("case %s failed while timed", case.row.variant)
+                case.row.error = error_note(error)
+                active.remove(case)
+    for case in active:
+        row = case.row
+        row.step_ms = slowest(statistics.median(times[id(case)]))
+        row.tokens_per_s = row.world * row.batch * row.seq / row.step_ms * 1e3
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = allocated(device)
+            case.step()
+            sync(device)
+            peak = torch.cuda.max_memory_allocated(device) - before + case.resident_bytes
+            row.peak_mib = gather(peak / 2**20)
 
 
 def two_steps(variant: str, setup: Setup, batch: int, device: torch.device) -> None:
+    torch._dynamo.reset()
     model, train_step, optimizer_step = new_step(variant, setup, device)
     data = make_batch(model.config.vocab_size, batch, setup.seq, dist.get_rank(), device)
     for _ in range(2):
@@ -233,25 +273,53 @@ def largest_batch(fits_at: Callable[[int], bool], start: int, limit: int) -> int
     return low
 
 
-def run_case(parallel: str, model: str, variant: str, args, device: torch.device, reference) -> tuple[Row, Any]:
+def new_row(parallel: str, model: str, variant: str, setup: Setup, args, device: torch.device) -> Row:
+    return Row(parallel, args.compile, model, variant, dist.get_world_size(), setup.batch, setup.seq,
+               device=device_name(device), tol=args.tol)
+
+
+def run_group(parallel: str, model: str, variants: list[str], args, device: torch.device, reference) -> tuple:
+    """The rows of ``variants`` (one, or all of a model with the default alternating timing), compiled one after
+    the other, then timed in turns; and torch.compile's (loss, gradients) when it is among them."""
     setup = case_setup(parallel, model, args)
-    world = dist.get_world_size()
-    row = Row(parallel, args.compile, model, variant, world, setup.batch, setup.seq, device=device_name(device),
-              tol=args.tol)
-    kept = None
+    rows, cases = [], []
     try:
-        kept = measure(row, setup, args, device, reference)
-        if args.max_batch:
-            row.max_batch = largest_batch(lambda b: fits(variant, setup, b, device), setup.batch, args.max_batch_limit)
-    except Exception as error:  # one failing case must not end the run
-        log.exception("case %s %s %s failed", parallel, model, variant)
-        row.error = error_note(error)
-    finally:
-        gc.collect()
         torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return row, kept
+        for variant in variants:
+            row = new_row(parallel, model, variant, setup, args, device)
+            rows.append(row)
+            try:
+                case, kept = prepare(row, setup, args, device, reference)
+                reference = kept if variant == "torch.compile" else reference
+                cases += [case] if case is not None else []
+            except Exception as error:  # one failing case must not end the run
+                log.exception("case %s %s %s failed", parallel, model, variant)
+                row.error = error_note(error)
+        time_cases(cases, args.steps, device)
+    finally:
+        cases.clear()
+        release(device)
+    if args.max_batch:
+        for row in rows:
+            row.max_batch = max_batch(row.variant, setup, args, device)
+    return rows, reference
+
+
+def max_batch(variant: str, setup: Setup, args, device: torch.device) -> int | None:
+    try:
+        return largest_batch(lambda b: fits(variant, setup, b, device), setup.batch, args.max_batch_limit)
+    except Exception:  # the row keeps its timing; the search's failure is logged
+        log.exception("largest batch of %s failed", variant)
+        return None
+    finally:
+        release(device)
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def case_setup(parallel: str, model: str, args) -> Setup:
@@ -280,14 +348,15 @@ def worker(rank: int, world: int, port: int, args) -> None:
     device = init(rank, world, port)
     dist.barrier()
     out = Path(args.out)
+    variants = args.variants.split(",")
+    groups = [[variant] for variant in variants] if args.sequential else [variants]
     try:
         for parallel in args.parallel.split(","):
             for model in args.models.split(","):
                 reference = None
-                for variant in args.variants.split(","):
-                    row, kept = run_case(parallel, model, variant, args, device, reference)
-                    reference = kept if variant == "torch.compile" else reference
-                    if rank == 0:
+                for group in groups:
+                    rows, reference = run_group(parallel, model, group, args, device, reference)
+                    for row in rows if rank == 0 else []:
                         write_row(out, row)
     finally:
         dist.destroy_process_group()
@@ -318,6 +387,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=None, help="default 1024 (GPT-2) or 2048 (Llama)")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sequential", action="store_true",
+                        help="time each variant alone, freed before the next (default: all of a model in turns)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="compare loss and gradients after one step with torch.compile's")
