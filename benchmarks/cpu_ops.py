@@ -8,8 +8,9 @@ memory model's budget; this script times them against Inductor's CPU code for wh
 - attention: ``memopt.flash_attention`` (causal, optional dropout) against compiled eager attention
   (``q kᵀ·scale``, ``tril`` mask, softmax, dropout, ``@ v``), and ATen's SDPA for reference; the row gives the
   reference's block shapes (batch entries × query rows, forward / backward);
-- CCE: ``memopt.cce`` against compiled ``cross_entropy(linear(h, w).float(), t)``, and ``memopt.cce_with_logits``
-  (logits returned, dropped before backward) against the compiled pair that returns its logits too.
+- CCE: ``memopt.cce`` and ``memopt.cce_rowwise`` against compiled ``cross_entropy(linear(h, w).float(), t)``, and
+  ``memopt.cce_with_logits`` and ``memopt.cce_rowwise`` returning the logits (dropped before backward) against
+  the compiled pair that returns its logits too.
 The variants' calls alternate (one of each in turn), so that drift on a shared machine reaches all alike; the
 figure is the median of ``--reps``.
 """
@@ -104,6 +105,9 @@ def cce_case(shape: tuple[int, int, int], reps: int) -> dict:
         "memopt.cce_with_logits": lambda: torch.ops.memopt.cce_with_logits(hidden, weight, None, targets)[
             0
         ].backward(),
+        "memopt.cce_rowwise (logits returned)": lambda: torch.ops.memopt.cce_rowwise(
+            hidden, weight, None, targets, -100, "mean", 0.0, None, True, True, False, True
+        )[0].backward(),
     }
     return {"op": "cce", "shape": "x".join(map(str, shape)), "dropout": None, "ms": interleaved_ms(variants, reps)}
 

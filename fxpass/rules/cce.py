@@ -604,6 +604,16 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
 # one took 1.54-1.59x; on CPU, where its chunk loop is PyTorch ops around GEMMs of a few hundred rows, 1.34-2.30x
 # where the chunked one took 1.12-1.26x (benchmarks/cpu_ops.py).
 ROWWISE_SLOWER_OFF_CUDA = "off CUDA the row-wise op is slower than the chunked one (benchmarks/cpu_ops.py)"
+# Returned logits are another matter: the detached cce_with_logits recomputes them in the backward (one more
+# 2·N·D·V GEMM at the CPU's rate), where the row-wise op takes the gradients from the logits it returns. The demo's
+# head (2048 × 8192 × 128, fp32, 2 cores) took 1.00-1.11× torch.compile's time with cce_with_logits and 0.81-0.96×
+# with the row-wise op (`benchmarks/cpu_ops.py`), the demo's training step 1.16× and 0.99×; at GPT-2's head
+# (512 × 50257 × 768) the two were alike (1.39× and 1.41×), and there ∂C outweighs the logits, so the 3/4 rule
+# keeps cce_with_logits (BENCHMARKS.md, seventeenth session).
+RETURNED_LOGITS_OFF_CUDA = (
+    "returned logits off CUDA: the row-wise op takes the gradients from them in the forward (6·N·D·V FLOPs), "
+    "where cce_with_logits recomputes them at the CPU's GEMM rate"
+)
 
 
 def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
@@ -612,8 +622,9 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     "auto" takes the row-wise variant on CUDA (off CUDA it is the slower of the two) where it may serve the loss
     and still frees at least 3/4 of what the chunked one frees: a quarter of the FLOPs for at most a quarter of
     the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Where the graph also returns the logits, the
-    chunked side is the detached ``cce_with_logits``, which "auto" takes (see below), unless the head is alone
-    in its graph (``_head_alone``). Returns an empty reason where there was nothing to weigh."""
+    chunked side is the detached ``cce_with_logits``, which "auto" takes on CUDA (see below) unless the head is
+    alone in its graph (``_head_alone``); off CUDA the row-wise op serves returned logits under the same 3/4 rule
+    (``RETURNED_LOGITS_OFF_CUDA``). Returns an empty reason where there was nothing to weigh."""
     if config.cce_variant == "chunked":
         return "chunked", ""
     blocker = _rowwise_blocker(candidate, config)
@@ -622,10 +633,15 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     if config.cce_variant == "rowwise":
         return "rowwise", "cce_variant='rowwise'"
     device = config.memory_device(tensor_value(candidate.hidden).device)
-    if device.type != "cuda":
+    if device.type != "cuda" and not candidate.returns_logits:
         return "chunked", ROWWISE_SLOWER_OFF_CUDA
     chunked = memory_model(candidate, config.assume_device, "chunked").saved
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
+    kept, figures = _frees_three_quarters(chunked, rowwise)
+    if candidate.returns_logits and device.type != "cuda":
+        return ("rowwise", f"{RETURNED_LOGITS_OFF_CUDA}; {figures}") if kept else (
+            "chunked", f"{figures}, under 3/4: the detached cce_with_logits, which keeps nothing for the backward"
+        )
     if candidate.returns_logits:  # (the wrapper carries their gradient, else _rowwise_blocker declined above)
         alone = _head_alone(candidate.classifier)
         if alone:
@@ -638,10 +654,16 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
             f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "
             f"keeps {held} (∂C in fp32, ∂E) at the forward's end, the step's peak; for one more 2·N·D·V GEMM"
         )
-    kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays  # for every shape if provable, else at the hints
+    return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
+
+
+def _frees_three_quarters(chunked, rowwise) -> tuple[bool, str]:
+    """Whether the row-wise variant frees at least 3/4 of what the chunked one frees (for every shape if provable,
+    else at the hints), and the two figures."""
+    kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays
     figures = f"the row-wise variant frees {shapes.format_bytes(shapes.hint(rowwise))} of the chunked one's " \
         f"{shapes.format_bytes(shapes.hint(chunked))}"
-    return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
+    return kept, figures
 
 
 # Matmuls counted by ``_head_alone``, with the position of their left operand (``addmm`` takes a bias first).

@@ -54,6 +54,11 @@ CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 # a chunk of r rows does r/4 FLOPs a byte of it, against the H200's ~170 FLOPs a byte at cuBLAS's rate).
 RETURNED_FRACTION = 16
 MIN_GEMM_ROWS = 1024
+# Off CUDA the same floor is lower, for the same reason: each chunk's ∂E GEMM reads the whole classifier and its ∂C
+# sum reads and writes the fp32 ∂C. At GPT-2's vocabulary (512 × 50257 × 768, fp32, 2 cores) 1/16 of the logits
+# is 16 rows, 32 chunks: 1.46-1.90× torch.compile's time, against 0.99-1.43× for chunks of 128-512 rows (runs of
+# a noisy 2-core machine; BENCHMARKS.md, seventeenth session).
+MIN_CPU_GEMM_ROWS = 256
 
 
 ROW_VECTOR_BYTES = 128  # a row's share of the chunk's per-row vectors (loss terms, max, sum, index, validity)
@@ -91,6 +96,8 @@ def chunk_rows(
     fits = share // chunk_bytes_per_row(vocab, dtype, in_place)
     if returns_logits and device_type == "cuda":  # (a power of two, so usually a divisor of the rows as it is)
         return torch.sym_max(1, torch.sym_min(n_rows, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, MIN_GEMM_ROWS)))
+    if returns_logits:
+        fits = torch.sym_max(fits, MIN_CPU_GEMM_ROWS)
     # a multiple of ROW_ALIGN where that leaves any: ∂C's GEMM sums over the chunk's rows
     aligned = torch.sym_max(1, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, torch.sym_min(fits, ROW_ALIGN - 1)))
     # Chunks of equal size, each at most 1/4 over the share: 8192 rows in 1984-row chunks left a 256-row tail

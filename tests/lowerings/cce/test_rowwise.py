@@ -188,14 +188,21 @@ def test_chunk_may_grow_to_the_cast_gradient():
 
 def test_chunk_beside_returned_logits_is_small():
     """Returning its logits, the op holds a chunk beside all of them: 1/16 of them, but at least the rows that
-    keep ∂C's GEMM compute-bound (on CUDA); on CPU no floor."""
+    keep its GEMMs and ∂C's sum from being bound by memory (MIN_GEMM_ROWS on CUDA, MIN_CPU_GEMM_ROWS elsewhere,
+    in chunks of equal size there), and never more rows than there are."""
     for n_rows, vocab in [(16384, 50257), (8192, 128256)]:
         rows = rowwise.chunk_rows(n_rows, vocab, torch.bfloat16, "cuda", True, returns_logits=True)
         assert rows == rowwise.MIN_GEMM_ROWS
         assert rows < rowwise.chunk_rows(n_rows, vocab, torch.bfloat16, "cuda", True)
     assert rowwise.chunk_rows(100, 1000, torch.bfloat16, "cuda", True, returns_logits=True) == 100
-    cpu = rowwise.chunk_rows(16384, 50257, torch.float32, "cpu", returns_logits=True)
-    assert cpu <= rowwise.chunk_rows(16384, 50257, torch.float32, "cpu")
+    floor = rowwise.MIN_CPU_GEMM_ROWS
+    # GPT-2's vocabulary, fp32: at 512 rows 1/16 of the logits is 16 rows of a chunk and its copy, raised to the
+    # floor; at 16384 rows the share (under ∂C's size) already holds more than the floor, which changes nothing
+    assert rowwise.chunk_rows(512, 50257, torch.float32, "cpu", returns_logits=True) == floor
+    share = min(16384 * 50257 * 4 // 16, 50257 * 768 * 4) // rowwise.chunk_bytes_per_row(50257, torch.float32)
+    cpu = rowwise.chunk_rows(16384, 50257, torch.float32, "cpu", returns_logits=True, gradient_bytes=50257 * 768 * 4)
+    assert floor < share and floor <= cpu <= share * 5 // 4
+    assert rowwise.chunk_rows(100, 1000, torch.float32, "cpu", returns_logits=True) == 100
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
