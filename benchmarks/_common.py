@@ -12,7 +12,9 @@ import torch
 
 from fxpass.report import error_note
 
-__all__ = ["cpu_peak", "cuda_peak", "error_note", "header", "peak_breakdown", "release_memory", "write_report"]
+__all__ = [
+    "cpu_peak", "cuda_peak", "error_note", "header", "in_turns", "peak_breakdown", "release_memory", "write_report"
+]
 
 T = TypeVar("T")
 
@@ -25,6 +27,23 @@ def release_memory(forget_compiled: bool = True) -> None:
         torch._dynamo.reset()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def in_turns(steps: int, timed: list[Callable[[], float]]) -> list[tuple[list[float], Exception | None]]:
+    """Each timed call, one of each in turn, ``steps`` times, so that a machine's drift (a shared CPU's
+    neighbours, clocks) reaches every one alike: per call, its times and the error that ended its turns, if any
+    (the others go on: one variant running out of memory must not end the comparison)."""
+    times: list[list[float]] = [[] for _ in timed]
+    errors: list[Exception | None] = [None for _ in timed]
+    for _ in range(steps):
+        for index, call in enumerate(timed):
+            if errors[index] is not None:
+                continue
+            try:
+                times[index].append(call())
+            except Exception as error:
+                errors[index] = error
+    return list(zip(times, errors, strict=True))
 
 
 def cuda_peak(fn: Callable[[], T]) -> tuple[T, int, int]:

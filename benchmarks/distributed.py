@@ -48,7 +48,7 @@ if __package__ in (None, ""):  # run as a script (torchrun benchmarks/distribute
 import torch
 import torch.distributed as dist
 
-from benchmarks._common import error_note
+from benchmarks._common import error_note, in_turns, release_memory
 from examples.distributed.train import Setup, compiled_step, free_port, full_grads, make_batch
 
 log = logging.getLogger("benchmarks.distributed")
@@ -199,27 +199,27 @@ def prepare(row: Row, setup: Setup, args, device: torch.device, reference) -> tu
     return Case(row, step, allocated(device) - before), kept
 
 
+def step_ms(step: Callable[[], None], device: torch.device) -> float:
+    """One step's wall time, from an idle device to an idle device."""
+    sync(device)
+    begin = time.perf_counter()
+    step()
+    sync(device)
+    return (time.perf_counter() - begin) * 1e3
+
+
 def time_cases(cases: list[Case], steps: int, device: torch.device) -> None:
     """Time the cases' steps in turns (a step of each, ``steps`` times), so that drift of clocks and neighbours
     reaches every case alike; then each case's peak per rank: what one step adds to what is allocated, plus what
     the case keeps between steps, as if it were alone on the GPU. A case that fails leaves the turns."""
-    times: dict[int, list[float]] = {id(case): [] for case in cases}
-    active = list(cases)
-    for _ in range(steps):
-        for case in list(active):
-            try:
-                sync(device)
-                begin = time.perf_counter()
-                case.step()
-                sync(device)
-                times[id(case)].append((time.perf_counter() - begin) * 1e3)
-            except Exception as error:  # the others go on (ranks run the same shapes, so they fail together)
-                log.exception("case %s failed while timed", case.row.variant)
-                case.row.error = error_note(error)
-                active.remove(case)
-    for case in active:
+    timed = [lambda case=case: step_ms(case.step, device) for case in cases]
+    for case, (times, error) in zip(cases, in_turns(steps, timed), strict=True):
         row = case.row
-        row.step_ms = slowest(statistics.median(times[id(case)]))
+        if error is not None:  # (ranks run the same shapes, so they fail together)
+            log.error("case %s failed while timed", row.variant, exc_info=error)
+            row.error = error_note(error)
+            continue
+        row.step_ms = slowest(statistics.median(times))
         row.tokens_per_s = row.world * row.batch * row.seq / row.step_ms * 1e3
         if device.type == "cuda":
             sync(device)
@@ -298,7 +298,7 @@ def run_group(parallel: str, model: str, variants: list[str], args, device: torc
         time_cases(cases, args.steps, device)
     finally:
         cases.clear()
-        release(device)
+        release_memory()
     if args.max_batch:
         for row in rows:
             row.max_batch = max_batch(row.variant, setup, args, device)
@@ -312,14 +312,7 @@ def max_batch(variant: str, setup: Setup, args, device: torch.device) -> int | N
         log.exception("largest batch of %s failed", variant)
         return None
     finally:
-        release(device)
-
-
-def release(device: torch.device) -> None:
-    gc.collect()
-    torch._dynamo.reset()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        release_memory()
 
 
 def case_setup(parallel: str, model: str, args) -> Setup:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import cpu_peak, cuda_peak, error_note, header, release_memory, write_report
+from benchmarks._common import cpu_peak, cuda_peak, error_note, header, in_turns, release_memory, write_report
 
 log = logging.getLogger("benchmarks.e2e")
 
@@ -245,17 +245,12 @@ def measure_interleaved(steps: int, prepared: list[tuple[Row, Callable]], device
     """The backends' steps alternate (tc, memopt, tc, memopt, …), so that a machine's drift (a shared CPU's
     neighbours, clocks) reaches both medians alike; then each backend's peak. A backend that fails here gets its
     error and leaves the rotation; the other is still measured."""
-    times: dict[int, list[float]] = {id(row): [] for row, _ in prepared}
-    active = list(prepared)
-    for _ in range(steps):
-        for row, one_step in list(active):
-            try:
-                times[id(row)].append(step_ms(one_step, device))
-            except Exception as error:  # an out-of-memory step of one backend must not end the other's
-                row.error = error_note(error)
-                active.remove((row, one_step))
-    for row, one_step in active:
-        row.step_ms = statistics.median(times[id(row)])
+    timed = [lambda one_step=one_step: step_ms(one_step, device) for _, one_step in prepared]
+    for (row, one_step), (times, error) in zip(prepared, in_turns(steps, timed), strict=True):
+        if error is not None:
+            row.error = error_note(error)
+            continue
+        row.step_ms = statistics.median(times)
         row.peak_mib = peak_mib(one_step, device)
 
 

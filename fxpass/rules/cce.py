@@ -637,12 +637,8 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
         return "chunked", ROWWISE_SLOWER_OFF_CUDA
     chunked = memory_model(candidate, config.assume_device, "chunked").saved
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
-    kept, figures = _frees_three_quarters(chunked, rowwise)
-    if candidate.returns_logits and device.type != "cuda":
-        return ("rowwise", f"{RETURNED_LOGITS_OFF_CUDA}; {figures}") if kept else (
-            "chunked", f"{figures}, under 3/4: the detached cce_with_logits, which keeps nothing for the backward"
-        )
-    if candidate.returns_logits:  # (the wrapper carries their gradient, else _rowwise_blocker declined above)
+    # Returned logits: the wrapper carries their gradient (else _rowwise_blocker declined above).
+    if candidate.returns_logits and device.type == "cuda":
         alone = _head_alone(candidate.classifier)
         if alone:
             return "rowwise", alone
@@ -654,16 +650,14 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
             f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "
             f"keeps {held} (∂C in fp32, ∂E) at the forward's end, the step's peak; for one more 2·N·D·V GEMM"
         )
-    return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
-
-
-def _frees_three_quarters(chunked, rowwise) -> tuple[bool, str]:
-    """Whether the row-wise variant frees at least 3/4 of what the chunked one frees (for every shape if provable,
-    else at the hints), and the two figures."""
-    kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays
+    kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays  # for every shape if provable, else at the hints
     figures = f"the row-wise variant frees {shapes.format_bytes(shapes.hint(rowwise))} of the chunked one's " \
         f"{shapes.format_bytes(shapes.hint(chunked))}"
-    return kept, figures
+    if candidate.returns_logits:  # off CUDA
+        return ("rowwise", f"{RETURNED_LOGITS_OFF_CUDA}; {figures}") if kept else (
+            "chunked", f"{figures}, under 3/4: the detached cce_with_logits, which keeps nothing for the backward"
+        )
+    return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
 
 
 # Matmuls counted by ``_head_alone``, with the position of their left operand (``addmm`` takes a bias first).
