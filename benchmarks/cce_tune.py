@@ -181,7 +181,7 @@ def _chunk_kernel_sweep(rows: int, vocab: int) -> None:
     for each tile width and warp count, with and without label smoothing and a softcap."""
     from lowerings.cce import rowwise, rowwise_kernel
 
-    width = rowwise.padded_vocab(vocab)
+    width = rowwise.padded_vocab(vocab, "cuda")
     padded = (3 * torch.randn(rows, width, device="cuda")).bfloat16()
     logits = padded[:, :vocab]
     targets = torch.randint(0, vocab, (rows,), device="cuda")
@@ -246,7 +246,7 @@ def _rowwise_chunk_parts(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor) -> d
     from lowerings.cce import rowwise
 
     vocab = c.shape[0]
-    c = rowwise.padded_rows(c, rowwise.padded_vocab(vocab))
+    c = rowwise.padded_rows(c, rowwise.padded_vocab(vocab, "cuda"))
     padded = rowwise._chunk_logits(e, c, None)
     logits = padded[:, :vocab]
     acc = torch.empty(c.shape, device="cuda", dtype=torch.float32)

@@ -8,7 +8,8 @@ memory model's budget; this script times them against Inductor's CPU code for wh
 - attention: ``memopt.flash_attention`` (causal, optional dropout) against compiled eager attention
   (``q kᵀ·scale``, ``tril`` mask, softmax, dropout, ``@ v``), and ATen's SDPA for reference; the row gives the
   reference's block shapes (batch entries × query rows, forward / backward);
-- CCE: ``memopt.cce`` and ``memopt.cce_rowwise`` against compiled ``cross_entropy(linear(h, w).float(), t)``, and
+- CCE: ``memopt.cce`` and ``memopt.cce_rowwise`` called eagerly and compiled through the backend (the variant
+  forced; the backward's scaling then is Inductor's) against compiled ``cross_entropy(linear(h, w).float(), t)``, and
   ``memopt.cce_with_logits`` and ``memopt.cce_rowwise`` returning the logits (dropped before backward) against
   the compiled pair that returns its logits too.
 The variants' calls alternate (one of each in turn), so that drift on a shared machine reaches all alike; the
@@ -93,10 +94,17 @@ def cce_case(shape: tuple[int, int, int], reps: int) -> dict:
         logits = F.linear(h, w)
         return F.cross_entropy(logits.float(), t), logits
 
-    loss_only = torch.compile(lambda h, w, t: F.cross_entropy(F.linear(h, w).float(), t))
+    def loss(h, w, t):
+        return F.cross_entropy(F.linear(h, w).float(), t)
+
+    loss_only = torch.compile(loss)
     with_logits = torch.compile(loss_and_logits)
+    through = {variant: torch.compile(loss, backend="memopt", options={"cce_variant": variant, "force": True})
+               for variant in ("chunked", "rowwise")}
     variants = {
         "torch.compile (loss)": lambda: loss_only(hidden, weight, targets).backward(),
+        "memopt backend, chunked": lambda: through["chunked"](hidden, weight, targets).backward(),
+        "memopt backend, row-wise": lambda: through["rowwise"](hidden, weight, targets).backward(),
         "memopt.cce": lambda: torch.ops.memopt.cce(hidden, weight, None, targets)[0].backward(),
         "memopt.cce_rowwise": lambda: torch.ops.memopt.cce_rowwise(
             hidden, weight, None, targets, -100, "mean", 0.0, None, True, True, False

@@ -58,6 +58,7 @@ def profile_variant(args: argparse.Namespace, variant: str, device: torch.device
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    before = allocator_counts(device)
     begin = time.perf_counter()
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(args.steps):
@@ -67,17 +68,34 @@ def profile_variant(args: argparse.Namespace, variant: str, device: torch.device
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort, row_limit=args.top, max_name_column_width=70)
     text = f"## {variant}: {wall_ms:.1f} ms a step (wall, profiled)\n{table}"
+    if device.type == "cuda":
+        after = allocator_counts(device)
+        text += "\nCUDA allocator over the profiled steps: " + ", ".join(
+            f"{name} {after[name] - before[name]}" for name in ALLOCATOR_COUNTS
+        )
     if args.trace is not None:
         path = Path(args.trace) / f"{re.sub(r'[^A-Za-z0-9]+', '_', variant).strip('_')}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(path))
-        text += f"\n{phase_table(phase_times(json.loads(path.read_text())))}\ntrace: {path}"
+        trace = json.loads(path.read_text())
+        text += f"\n{phase_table(phase_times(trace))}\n\nIdle gaps of the GPU within a phase's work:\n"
+        text += f"{gap_table(idle_gaps(trace), args.top)}\ntrace: {path}"
     if args.memory and device.type == "cuda":
         try:
             text += "\n" + memory_at_peak(one_step, args.top)
         except Exception as error:  # the history's format is private to torch: report, keep the timings
             text += f"\nmemory history failed: {error_note(error)}"
     return text
+
+
+# cudaMalloc and cudaFree calls, and the times the caching allocator freed its cache to retry (each a device
+# sync): a step that stalls the GPU on them shows idle gaps under an allocation.
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    return {name: int(stats.get(name, 0)) for name in ALLOCATOR_COUNTS}
 
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -108,32 +126,95 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def phase_times(trace: dict, phases: tuple[str, ...] = (FORWARD_RANGE, BACKWARD_RANGE)) -> dict[str, PhaseTime]:
-    """Where a step's GPU waits, by phase, from a Chrome trace of ``torch.profiler``: each kernel or copy belongs
-    to the phase whose CPU range (``record_function``) launched it (the launch is found by its correlation id).
-    A phase whose GPU span is much longer than its busy time was bound by the CPU: the GPU waited on launches."""
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """A kernel or copy on the GPU, with the CPU's launch of it (µs)."""
+
+    start: float
+    end: float
+    name: str
+    launched_at: float
+    thread: object
+
+
+def phase_work(trace: dict, phases: tuple[str, ...] = (FORWARD_RANGE, BACKWARD_RANGE)):
+    """Each phase range of the trace (start, end, name), with the GPU work launched within it: each kernel or copy
+    belongs to the phase whose CPU range (``record_function``) launched it (the launch is found by its
+    correlation id). Work launched outside every range is left out."""
     events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X"]
     ranges = sorted((event["ts"], event["ts"] + event["dur"], event["name"]) for event in events
                     if event.get("cat") == "user_annotation" and event.get("name") in phases)
-    launched_at = {event["args"]["correlation"]: event["ts"] for event in events
-                   if event.get("cat") in LAUNCH_CATEGORIES and "correlation" in event.get("args", {})}
-    work: list[list[tuple[float, float]]] = [[] for _ in ranges]
+    launches = {event["args"]["correlation"]: event for event in events
+                if event.get("cat") in LAUNCH_CATEGORIES and "correlation" in event.get("args", {})}
+    work: list[list[Work]] = [[] for _ in ranges]
     for event in events:
-        launch = launched_at.get(event.get("args", {}).get("correlation"))
+        launch = launches.get(event.get("args", {}).get("correlation"))
         if event.get("cat") not in DEVICE_CATEGORIES or launch is None:
             continue
-        index = next((i for i, (start, end, _) in enumerate(ranges) if start <= launch <= end), None)
+        index = next((i for i, (start, end, _) in enumerate(ranges) if start <= launch["ts"] <= end), None)
         if index is not None:
-            work[index].append((event["ts"], event["ts"] + event["dur"]))
+            work[index].append(Work(event["ts"], event["ts"] + event["dur"], event["name"], launch["ts"],
+                                    launch.get("tid")))
+    return ranges, work
+
+
+def phase_times(trace: dict, phases: tuple[str, ...] = (FORWARD_RANGE, BACKWARD_RANGE)) -> dict[str, PhaseTime]:
+    """Where a step's GPU waits, by phase, from a Chrome trace of ``torch.profiler`` (``phase_work``). A phase whose
+    GPU span is much longer than its busy time was bound by the CPU: the GPU waited on launches."""
+    ranges, work = phase_work(trace, phases)
     totals = {name: PhaseTime() for name in phases}
-    for (start, end, name), intervals in zip(ranges, work, strict=True):
+    for (start, end, name), items in zip(ranges, work, strict=True):
         total = totals[name]
         total.steps += 1
         total.cpu_ms += (end - start) / 1e3
-        if intervals:
-            total.gpu_span_ms += (max(e for _, e in intervals) - min(s for s, _ in intervals)) / 1e3
-            total.gpu_busy_ms += _union_us(intervals) / 1e3
+        if items:
+            total.gpu_span_ms += (max(w.end for w in items) - min(w.start for w in items)) / 1e3
+            total.gpu_busy_ms += _union_us([(w.start, w.end) for w in items]) / 1e3
     return {name: _per_step(total) for name, total in totals.items()}
+
+
+def idle_gaps(
+    trace: dict, phases: tuple[str, ...] = (FORWARD_RANGE, BACKWARD_RANGE), min_us: float = 50.0
+) -> list[tuple[str, str, str, float, int]]:
+    """The GPU's idle gaps of at least ``min_us`` within each phase's work, grouped by what the CPU was in when it
+    launched the work after the gap (its innermost CPU op, or the runtime call that launched it) and by that
+    work's name: (phase, CPU op, next work, ms per step, gaps), the longest first. An idle GPU waits on the CPU:
+    the CPU op names what it was busy with (a Python loop of launches, an allocator's cudaMalloc, a sync)."""
+    events = [event for event in trace.get("traceEvents", []) if event.get("ph") == "X"]
+    cpu_ops = sorted((event["ts"], event["ts"] + event["dur"], event["name"], event.get("tid")) for event in events
+                     if event.get("cat") == "cpu_op")
+    ranges, work = phase_work(trace, phases)
+    steps = Counter(name for _, _, name in ranges)
+    found: Counter = Counter()
+    count: Counter = Counter()
+    for (_, _, phase), items in zip(ranges, work, strict=True):
+        reach = None
+        for item in sorted(items, key=lambda w: w.start):
+            if reach is not None and item.start - reach >= min_us:
+                key = (phase, _innermost(cpu_ops, item.launched_at, item.thread), item.name[:60])
+                found[key] += (item.start - reach) / 1e3
+                count[key] += 1
+            reach = item.end if reach is None else max(reach, item.end)
+    return [(phase, op, after, ms / max(steps[phase], 1), count[(phase, op, after)])
+            for (phase, op, after), ms in found.most_common()]
+
+
+def _innermost(cpu_ops: list[tuple[float, float, str, object]], at: float, thread: object) -> str:
+    """The shortest CPU op of ``thread`` running at ``at`` (µs), or "(no CPU op)"."""
+    best = None
+    for start, end, name, tid in cpu_ops:
+        if start > at:
+            break
+        if end >= at and tid == thread and (best is None or end - start < best[1] - best[0]):
+            best = (start, end, name)
+    return best[2] if best else "(no CPU op)"
+
+
+def gap_table(gaps: list[tuple[str, str, str, float, int]], top: int = 12) -> str:
+    rows = ["| phase | CPU op launching the work after the gap | work after the gap | idle ms a step | gaps |",
+            "|---|---|---|---|---|"]
+    rows += [f"| {phase} | {op} | {after} | {ms:.2f} | {n} |" for phase, op, after, ms, n in gaps[:top]]
+    return "\n".join(rows)
 
 
 def _per_step(total: PhaseTime) -> PhaseTime:

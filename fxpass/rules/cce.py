@@ -601,9 +601,11 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
 
 
 # Measured (BENCHMARKS.md): on the H200 the row-wise op took 1.19-1.24x torch.compile's time where the chunked
-# one took 1.54-1.59x; on CPU, where its chunk loop is PyTorch ops around GEMMs of a few hundred rows, 1.34-2.30x
-# where the chunked one took 1.12-1.26x (benchmarks/cpu_ops.py).
-ROWWISE_SLOWER_OFF_CUDA = "off CUDA the row-wise op is slower than the chunked one (benchmarks/cpu_ops.py)"
+# one took 1.54-1.59x. Off CUDA, where its chunk loop is PyTorch ops around the GEMMs, it was the slower of the two
+# until its chunks took their gradient in place in five passes, on the classifier unpadded, in chunks of at least
+# 512 rows: compiled through the backend on 2 cores (fp32), 0.86× torch.compile's time at 2048 × 8192 × 128,
+# 0.92× at 2048 × 50257 × 768 and 0.99-1.11× at 512 × 50257 × 768, where the chunked op took 1.13-1.27×
+# (eighteenth session). So "auto" weighs the two alike on every device.
 # Returned logits are another matter: the detached cce_with_logits recomputes them in the backward (one more
 # 2·N·D·V GEMM at the CPU's rate), where the row-wise op takes the gradients from the logits it returns. The demo's
 # head (2048 × 8192 × 128, fp32, 2 cores) took 1.00-1.11× torch.compile's time with cce_with_logits and 0.81-0.96×
@@ -619,8 +621,8 @@ RETURNED_LOGITS_OFF_CUDA = (
 def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     """"chunked" (``memopt.cce``, 8·N·D·V FLOPs) or "rowwise" (``memopt.cce_rowwise``, 6·N·D·V), and why.
 
-    "auto" takes the row-wise variant on CUDA (off CUDA it is the slower of the two) where it may serve the loss
-    and still frees at least 3/4 of what the chunked one frees: a quarter of the FLOPs for at most a quarter of
+    "auto" takes the row-wise variant where it may serve the loss and still frees at least 3/4 of what the
+    chunked one frees: a quarter of the FLOPs for at most a quarter of
     the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Where the graph also returns the logits, the
     chunked side is the detached ``cce_with_logits``, which "auto" takes on CUDA (see below) unless the head is
     alone in its graph (``_head_alone``); off CUDA the row-wise op serves returned logits under the same 3/4 rule
@@ -633,8 +635,6 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     if config.cce_variant == "rowwise":
         return "rowwise", "cce_variant='rowwise'"
     device = config.memory_device(tensor_value(candidate.hidden).device)
-    if device.type != "cuda" and not candidate.returns_logits:
-        return "chunked", ROWWISE_SLOWER_OFF_CUDA
     chunked = memory_model(candidate, config.assume_device, "chunked").saved
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     # Returned logits: the wrapper carries their gradient (else _rowwise_blocker declined above).
@@ -777,8 +777,9 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
         before[returned_then_gradient] = returned
     # (the row-wise op serves returned logits only where the wrapper carries their gradient: _rowwise_blocker)
     if _wrapper_carries_logits(candidate) and variant == "rowwise":  # gradients taken from the logits it returns
-        padded = rows * rowwise.padded_vocab(vocab) * dtype.itemsize
-        after["returned: the logits [N, V] (rows padded to 64); no gradient of theirs enters the graph"] = padded
+        padded = rows * rowwise.padded_vocab(vocab, device.type) * dtype.itemsize
+        label = "returned: the logits [N, V] (rows padded to 64 on CUDA); no gradient of theirs enters the graph"
+        after[label] = padded
     elif _wrapper_carries_logits(candidate) and candidate.returned_dtype is not None:
         # the fp32 logits the graph returns were the cast's copy before and are the op's output now: charged on
         # neither side; the 16-bit logits they were cast from no longer exist

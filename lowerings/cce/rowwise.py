@@ -59,24 +59,31 @@ MIN_GEMM_ROWS = 1024
 # is 16 rows, 32 chunks: 1.46-1.90× torch.compile's time, against 0.99-1.43× for chunks of 128-512 rows (runs of
 # a noisy 2-core machine; BENCHMARKS.md, seventeenth session).
 MIN_CPU_GEMM_ROWS = 256
+# A loss-only chunk off CUDA, held in place of the logits rather than beside them, is at least MIN_CPU_LOSS_ROWS:
+# at 512 × 50257 × 768 (fp32, 2 cores, compiled through the backend) the op took 1.37× torch.compile's time in
+# 64-row chunks, 1.17× in 128, 1.08× in 256 and 0.99× in one chunk of 512 (BENCHMARKS.md, eighteenth session).
+MIN_CPU_LOSS_ROWS = 512
 
 
 ROW_VECTOR_BYTES = 128  # a row's share of the chunk's per-row vectors (loss terms, max, sum, index, validity)
-ROW_ALIGN = 64  # elements a chunk's logits row is padded to: 128 bytes in 16 bits
+ROW_ALIGN = 64  # elements a chunk's logits row is padded to on CUDA: 128 bytes in 16 bits
 
 
-def padded_vocab(vocab):
-    """The vocabulary rounded up to ROW_ALIGN: the classifier's rows and a chunk's logits columns in the GEMMs.
-    An odd vocabulary (GPT-2's 50257) as a leading dimension or as ∂E's reduction length keeps cuBLAS off its
-    tensor-core kernels in all three GEMMs of a chunk (Inductor's ``pad_mm`` pads such shapes too)."""
-    return -(-vocab // ROW_ALIGN) * ROW_ALIGN
+def padded_vocab(vocab, device_type: str):
+    """The vocabulary rounded up to ROW_ALIGN on CUDA: the classifier's rows and a chunk's logits columns in the
+    GEMMs. An odd vocabulary (GPT-2's 50257) as a leading dimension or as ∂E's reduction length keeps cuBLAS off
+    its tensor-core kernels in all three GEMMs of a chunk (Inductor's ``pad_mm`` pads such shapes too). Off CUDA
+    the vocabulary as it is: the CPU's GEMMs run odd sizes at the same rate, and the padded copy of the classifier
+    (a zero fill and a copy of [V, D] each call) cost more than the GEMMs gained."""
+    return -(-vocab // ROW_ALIGN) * ROW_ALIGN if device_type == "cuda" else vocab
 
 
-def chunk_bytes_per_row(vocab, dtype: torch.dtype, in_place: bool = False):
-    """A row of a chunk: its logits in the input dtype (padded rows), their copy in the compute dtype unless the
-    chunk kernel turns them into their gradient in place, and its per-row vectors."""
+def chunk_bytes_per_row(vocab, dtype: torch.dtype, device_type: str, in_place: bool = False):
+    """A row of a chunk: its logits in the input dtype (padded rows on CUDA), their copy in the compute dtype
+    unless the chunk's gradient is taken in place (the CUDA kernel, or fp32 and fp64 chunks off CUDA), and its
+    per-row vectors."""
     copy = 0 if in_place else vocab * reference.compute_dtype(dtype).itemsize
-    return padded_vocab(vocab) * dtype.itemsize + copy + ROW_VECTOR_BYTES
+    return padded_vocab(vocab, device_type) * dtype.itemsize + copy + ROW_VECTOR_BYTES
 
 
 def chunk_rows(
@@ -93,11 +100,11 @@ def chunk_rows(
     fraction = RETURNED_FRACTION if returns_logits else FRACTION
     ceiling = torch.sym_max(CHUNK_BYTES.get(device_type, 32 << 20), gradient_bytes)
     share = torch.sym_min(n_rows * vocab * dtype.itemsize // fraction, ceiling)
-    fits = share // chunk_bytes_per_row(vocab, dtype, in_place)
+    fits = share // chunk_bytes_per_row(vocab, dtype, device_type, in_place)
     if returns_logits and device_type == "cuda":  # (a power of two, so usually a divisor of the rows as it is)
         return torch.sym_max(1, torch.sym_min(n_rows, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, MIN_GEMM_ROWS)))
-    if returns_logits:
-        fits = torch.sym_max(fits, MIN_CPU_GEMM_ROWS)
+    if device_type != "cuda":
+        fits = torch.sym_max(fits, MIN_CPU_GEMM_ROWS if returns_logits else MIN_CPU_LOSS_ROWS)
     # a multiple of ROW_ALIGN where that leaves any: ∂C's GEMM sums over the chunk's rows
     aligned = torch.sym_max(1, torch.sym_max(fits // ROW_ALIGN * ROW_ALIGN, torch.sym_min(fits, ROW_ALIGN - 1)))
     # Chunks of equal size, each at most 1/4 over the share: 8192 rows in 1984-row chunks left a 256-row tail
@@ -116,15 +123,21 @@ def _gradient_bytes(vocab, dim, dtype: torch.dtype, need_weight: bool):
 
 def _rows_per_chunk(hidden: torch.Tensor, vocab: int, need_weight: bool, return_logits: bool, device_type: str) -> int:
     """The op's chunk height for these inputs on ``device_type`` (the last chunk takes what is left)."""
-    fused = _kernel_serves(device_type, hidden.dtype)
+    in_place = _gradient_in_place(device_type, hidden.dtype)
     cast_bytes = _gradient_bytes(vocab, hidden.shape[1], hidden.dtype, need_weight)
-    return int(chunk_rows(hidden.shape[0], vocab, hidden.dtype, device_type, fused, return_logits, cast_bytes))
+    return int(chunk_rows(hidden.shape[0], vocab, hidden.dtype, device_type, in_place, return_logits, cast_bytes))
 
 
 def _kernel_serves(device_type: str, dtype: torch.dtype) -> bool:
     """The chunk kernel (``rowwise_kernel.py``) replaces the PyTorch chunk path on CUDA for 16-bit and fp32
     inputs; a bias's gradient is then the column sums of the gradient it writes (``_add_bias_gradient_``)."""
     return HAS_TRITON and device_type == "cuda" and dtype != torch.float64
+
+
+def _gradient_in_place(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a chunk's gradient overwrites its logits' buffer, with no copy in the compute dtype: the CUDA
+    kernel's, and the PyTorch path's where the logits already are in the compute dtype (fp32, fp64)."""
+    return _kernel_serves(device_type, dtype) or reference.compute_dtype(dtype) == dtype
 
 
 def _accumulates_in_fp32(device_type: str) -> bool:
@@ -160,25 +173,27 @@ def working_set(
     memory model."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
-    in_place = _kernel_serves(device.type, dtype)
+    in_place = _gradient_in_place(device.type, dtype)
     cast_bytes = _gradient_bytes(vocab, dim, dtype, need_weight)
     rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
     terms: dict[str, object] = {}
     if in_place:
         terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"] = (
-            rows * chunk_bytes_per_row(vocab, dtype, in_place=True)
+            rows * chunk_bytes_per_row(vocab, dtype, device.type, in_place=True)
         )
     else:
-        terms["transient: one chunk of logits and their fp32 copy [rows, V]"] = rows * chunk_bytes_per_row(vocab, dtype)
+        terms["transient: one chunk of logits and their fp32 copy [rows, V]"] = (
+            rows * chunk_bytes_per_row(vocab, dtype, device.type)
+        )
     if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
         product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
         terms[product] = vocab * dim * (dtype.itemsize + acc)
-    width = padded_vocab(vocab)
-    if not (isinstance(vocab, int) and width == vocab):  # (a symbolic vocabulary is charged the copy)
+    width = padded_vocab(vocab, device.type)
+    if device.type == "cuda" and not (isinstance(vocab, int) and width == vocab):  # (a symbolic one is charged)
         terms["transient: the classifier and its bias, zero-padded to a multiple of 64 rows"] = (
             width * (dim + 1) * dtype.itemsize
         )
-    if need_bias and in_place:
+    if need_bias and _kernel_serves(device.type, dtype):
         terms["transient: a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (width * dim * acc if need_weight else 0)
     saved = saved + (vocab * acc if need_bias else 0)
@@ -204,15 +219,20 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return torch.addmm(bias, hidden, weight.t())
 
 
-def _chunk_gradient(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ of the chunk's loss terms, and ∂(Σ loss)/∂logits in place of an fp32 copy of ``logits``.
+def _chunk_gradient_(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    grad_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Σ of the chunk's loss terms; the chunk's logits ``z`` (compute dtype) become ``grad_scale`` · ∂(Σ loss)/∂z
+    in place, in five passes over them where there is no softcap and no smoothing (max, subtract, exp, sum, scale).
 
     loss = (1 − ε)(lse − z_t) + ε(lse − mean z); ∂/∂z = softmax − (1 − ε)·onehot − ε/V, times 1 − tanh² under the
     softcap z = c·tanh(x/c); ignored rows contribute nothing."""
-    vocab = logits.shape[1]
-    z = logits.to(reference.compute_dtype(logits.dtype), copy=True)
+    vocab = z.shape[1]
     slope = None
     if softcap is not None:  # applied here rather than in row_terms_, to keep tanh for the chain rule
         z.div_(softcap).tanh_()
@@ -221,14 +241,14 @@ def _chunk_gradient(
     loss, _, sums = reference.row_terms_(z, targets, ignore_index, label_smoothing, None)
     valid = reference.valid_rows(targets, ignore_index)
     index = torch.where(valid, targets, 0).unsqueeze(1)
-    grad = z.div_(sums.unsqueeze(1))  # z held exp(z − max): now the softmax
-    grad.scatter_add_(1, index, torch.full_like(sums, -(1.0 - label_smoothing)).unsqueeze(1))
+    scale = torch.where(valid, grad_scale, 0.0)  # per row: ignored rows get a zero gradient
+    z.mul_((scale / sums).unsqueeze(1))  # z held exp(z − max): now the scaled softmax
+    z.scatter_add_(1, index, (scale * -(1.0 - label_smoothing)).unsqueeze(1))
     if label_smoothing:
-        grad.sub_(label_smoothing / vocab)
+        z.sub_((scale * (label_smoothing / vocab)).unsqueeze(1))
     if slope is not None:
-        grad.mul_(slope)
-    grad.mul_(valid.unsqueeze(1))
-    return loss.sum(), grad
+        z.mul_(slope)
+    return loss.sum()
 
 
 @reference_op("cce_rowwise")
@@ -253,10 +273,10 @@ def cce_rowwise(
     reference.check_targets(targets, vocab, ignore_index)
     acc = reference.compute_dtype(hidden.dtype)
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
-    # Every GEMM runs on the classifier padded to a multiple of ROW_ALIGN rows (zeros): GPT-2's 50257 as a
+    # Every CUDA GEMM runs on the classifier padded to a multiple of ROW_ALIGN rows (zeros): GPT-2's 50257 as a
     # leading dimension or reduction length keeps cuBLAS on its slow pre-Hopper kernels (the op 3.2× slower at
     # GPT-2's loss shape on the H200: 30.8 against 9.7 ms).
-    width = padded_vocab(vocab)
+    width = padded_vocab(vocab, hidden.device.type)
     weight_rows, bias_rows = padded_rows(weight, width), padded_rows(bias, width)
     grad_weight_rows = weight.new_empty(0)
     if need_weight:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is zero
@@ -288,12 +308,14 @@ def cce_rowwise(
             total += terms.sum()
             if grad_bias.numel():  # from the gradient as the GEMMs see it, rounded, as the eager backward sums it
                 grad_bias += logits.sum(dim=0, dtype=acc)
-        else:
-            chunk_loss, grad = _chunk_gradient(
-                logits if source is None else source, targets[rows], ignore_index, label_smoothing, softcap
-            )
-            total += chunk_loss
-            logits.copy_(grad.mul_(grad_scale))  # GEMM operands in the input dtype, padding columns still zero
+        else:  # in place in fp32 and fp64; 16-bit logits through an fp32 copy (the GEMMs' operands stay 16-bit)
+            if logits.dtype == acc:
+                grad = logits if source is None else logits.copy_(source)
+            else:
+                grad = (logits if source is None else source).to(acc, copy=True)
+            total += _chunk_gradient_(grad, targets[rows], ignore_index, label_smoothing, softcap, grad_scale)
+            if grad is not logits:
+                logits.copy_(grad)  # padding columns still zero
         if need_hidden:
             torch.mm(padded, weight_rows, out=grad_hidden[rows])
         if need_weight:
@@ -318,7 +340,9 @@ def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, s
         weight.new_empty(weight.shape, dtype=acc) if need_weight else weight.new_empty(0),
         weight.new_empty(weight.shape[0], dtype=acc) if need_bias and bias is not None else weight.new_empty(0),
         # the padded rows' view, strides and all: Inductor checks a custom op's output strides against these
-        hidden.new_empty_strided((rows, vocab), (padded_vocab(vocab), 1)) if return_logits else hidden.new_empty(0),
+        hidden.new_empty_strided((rows, vocab), (padded_vocab(vocab, hidden.device.type), 1))
+        if return_logits
+        else hidden.new_empty(0),
     )
 
 
@@ -333,7 +357,7 @@ if HAS_TRITON:
         if not n_rows or not _kernel_serves("cuda", hidden.dtype):
             return
         step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, "cuda")
-        width = padded_vocab(vocab)
+        width = padded_vocab(vocab, "cuda")
         scale = hidden.new_empty((), dtype=reference.compute_dtype(hidden.dtype))
         for rows in {min(step, n_rows), n_rows - (n_rows - 1) // step * step}:
             source = hidden.new_empty(rows, width)[:, :vocab] if return_logits else None

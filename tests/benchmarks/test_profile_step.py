@@ -18,9 +18,9 @@ def _op(cat: str, name: str, ts: float, dur: float, correlation: int | None = No
     return event
 
 
-def _launched(correlation: int, at: float, start: float, dur: float, cat: str = "kernel") -> list[dict]:
-    return [_op("cuda_runtime", "cudaLaunchKernel", at, 5, correlation), _op(cat, f"k{correlation}", start, dur,
-                                                                            correlation)]
+def _launched(correlation: int, at: float, start: float, dur: float, cat: str = "kernel", name: str = "") -> list[dict]:
+    return [_op("cuda_runtime", "cudaLaunchKernel", at, 5, correlation),
+            _op(cat, name or f"k{correlation}", start, dur, correlation)]
 
 
 def test_phase_times_split_busy_and_idle_by_the_launching_range():
@@ -69,3 +69,23 @@ def test_tiny_cpu_run_writes_the_trace_and_the_phases(tmp_path, caplog):
     assert found[FORWARD_RANGE].steps == 2 and found[BACKWARD_RANGE].steps == 2
     assert found[FORWARD_RANGE].cpu_ms > 0 and found[BACKWARD_RANGE].cpu_ms > 0
     assert "| step.forward | 2 |" in caplog.text
+
+
+def test_idle_gaps_name_the_cpu_op_that_launched_the_work_after_them():
+    """Two steps of a forward whose GPU waits before a kernel launched under ``memopt::cce_rowwise`` (400, then
+    300 µs), before one launched under ``aten::mm`` (950, then 1050 µs), and for 20 µs (under the threshold)."""
+    events = []
+    for step, offset in enumerate((0, 5000)):
+        base = 10 * step
+        events.append(_op("user_annotation", FORWARD_RANGE, offset, 2000))
+        events.append(_op("cpu_op", "memopt::cce_rowwise", offset + 100, 1000))
+        events.append(_op("cpu_op", "aten::mm", offset + 1500, 100))
+        events += _launched(base + 1, offset + 10, offset + 100, 100, name="first")  # busy until 200
+        events += _launched(base + 2, offset + 500, offset + 600 - 100 * step, 50, name="chunk")
+        events += _launched(base + 3, offset + 1550, offset + 1600, 50, name="gemm")
+        events += _launched(base + 4, offset + 1560, offset + 1670, 10, name="tail")  # 20 µs after the gemm
+    gaps = profile_step.idle_gaps({"traceEvents": events})
+    assert [(op, after, n) for _, op, after, _, n in gaps] == [("aten::mm", "gemm", 2),
+                                                              ("memopt::cce_rowwise", "chunk", 2)]
+    assert [ms for *_, ms, _ in gaps] == [pytest.approx(1.0), pytest.approx(0.35)]  # per step, the longest first
+    assert "| step.forward | aten::mm | gemm | 1.00 | 2 |" in profile_step.gap_table(gaps)

@@ -159,7 +159,7 @@ def _cce_rowwise(dtype: torch.dtype, vocab: int, smoothing: float, softcap: floa
     def run() -> None:
         from lowerings.cce import rowwise, rowwise_kernel
 
-        padded = torch.randn(8, rowwise.padded_vocab(vocab), dtype=dtype)
+        padded = torch.randn(8, rowwise.padded_vocab(vocab, "cuda"), dtype=dtype)
         targets = torch.randint(0, vocab, (8,))
         rowwise_kernel.row_gradient_(padded[:, :vocab], targets, -100, smoothing, softcap, torch.ones(1))
         rowwise_kernel.scaled_copy(torch.randn(vocab, 16), torch.ones(()), dtype)
@@ -210,7 +210,7 @@ def _precompile_cce_rowwise(return_logits: bool) -> Precompiled:
     def launch() -> None:
         step = rowwise._rows_per_chunk(hidden, 3000, True, return_logits, "cuda")
         assert n % step, "the case must have two chunk heights"
-        width = rowwise.padded_vocab(3000)
+        width = rowwise.padded_vocab(3000, "cuda")
         every = torch.zeros(n, width, dtype=torch.bfloat16) if return_logits else None
         buffer = torch.zeros(step, width, dtype=torch.bfloat16)
         for start in range(0, n, step):

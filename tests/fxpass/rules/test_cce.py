@@ -579,7 +579,7 @@ class TestDeclines(TestCase):
         ex = rewritten(
             fn, torch.randn(batch, seq, dim), torch.randint(0, vocab, (batch, seq)), force=False, dynamic=True
         )
-        self.assertExpectedInline(record_lines(ex), """cce applied=True proof=hint: logits never materialized; frees <bytes> for the example shapes (size hints)""")
+        self.assertExpectedInline(record_lines(ex), """cce applied=True proof=hint: logits never materialized; gradients taken in the forward (6·N·D·V FLOPs); frees <bytes> for the example shapes (size hints)""")
         record = ex.records[0]
         self.assertIn("s", record.saved_bytes)  # symbolic in the batch and sequence sizes
         self.assertGreater(record.saved_bytes_hint, batch * seq * vocab * 4)
@@ -730,16 +730,27 @@ class TestVariant(TestCase):
         self.assertEqual(params["variant"], "rowwise")
         self.assertRegex(params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the classifier's 6\.7e\+07")
 
-    def test_auto_keeps_chunked_off_cuda(self):
-        """The same loss decided for the CPU: the row-wise op's chunk loop is the slower there."""
+    def test_auto_takes_rowwise_off_cuda(self):
+        """The same loss decided for the CPU: the row-wise op serves it as on CUDA, weighed by the same 3/4 rule
+        (at 512 tokens its 512-row chunk would be all the logits, and the chunked op stays: the test below)."""
         fn, weight = self._loss(vocab=4096, dim=16)
-        hidden = torch.randn(2, 256, 16, requires_grad=True)
+        hidden = torch.randn(4, 1024, 16, requires_grad=True)
         ex = _check_numerics(
-            fn, [hidden, weight], hidden, torch.randint(0, 4096, (2, 256)), force=False, cce_variant="auto"
+            fn, [hidden, weight], hidden, torch.randint(0, 4096, (4, 1024)), force=False, cce_variant="auto"
         )
         record = ex.records[0]
+        self.assertEqual(record.params["variant"], "rowwise")
+        self.assertRegex(record.params["variant_reason"], r"^the row-wise variant frees .* of the chunked one's")
+        self.assertIn("memopt.cce_rowwise", after_code(ex))
+
+    def test_auto_keeps_chunked_off_cuda_where_the_saved_gradients_cost_too_much(self):
+        """On the CPU as on CUDA: few tokens against a large classifier keep the chunked op."""
+        fn, weight = self._loss(vocab=4096, dim=64)
+        hidden = torch.randn(1, 16, 64, requires_grad=True)
+        ex = _check_numerics(fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, 16)), cce_variant="auto")
+        record = ex.records[0]
         self.assertEqual(record.params["variant"], "chunked")
-        self.assertIn("off CUDA the row-wise op is slower", record.params["variant_reason"])
+        self.assertIn("under 3/4", record.params["variant_reason"])
 
     def test_auto_keeps_chunked_where_the_saved_gradients_cost_too_much(self):
         """Few tokens against a large classifier: ∂C [V, D] kept from forward to backward outweighs the logits."""

@@ -144,7 +144,8 @@ def test_working_set_charges_the_saved_gradients():
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
     row_vectors = rowwise.ROW_VECTOR_BYTES
     padded = 50048  # the classifier's rows padded to the next multiple of 64 above 50000
-    assert rowwise.padded_vocab(50000) == padded and rowwise.padded_vocab(50048) == padded
+    assert rowwise.padded_vocab(50000, "cuda") == padded and rowwise.padded_vocab(50048, "cuda") == padded
+    assert rowwise.padded_vocab(50000, "cpu") == 50000  # off CUDA the classifier is not copied
     if rowwise.HAS_TRITON:  # the CUDA chunk kernel turns the bf16 logits into their gradient in place: 2 B a logit
         rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
         share = 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors)
@@ -155,11 +156,18 @@ def test_working_set_charges_the_saved_gradients():
     assert (product in terms) == (not rowwise._accumulates_in_fp32("cuda"))
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
-    per_row = padded * 2 + 50000 * 4 + row_vectors  # padded bf16 logits and their fp32 copy
+    per_row = 50000 * 2 + 50000 * 4 + row_vectors  # bf16 logits (not padded off CUDA) and their fp32 copy
     share = 1024 * 50000 * 2 // rowwise.FRACTION // per_row
-    assert rows % 64 == 0 and share // 2 < rows <= share * 5 // 4 + 64
+    assert share < rowwise.MIN_CPU_LOSS_ROWS == rows  # off CUDA a loss-only chunk is at least that many rows
     assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
+    assert not any("zero-padded" in name for name in cpu)
+    fp32 = rowwise.working_set(1024, 50000, 768, torch.float32, torch.device("cpu"), (True, True, False))
+    rows = rowwise.chunk_rows(1024, 50000, torch.float32, "cpu", in_place=True, gradient_bytes=50000 * 768 * 4)
+    assert fp32 == {  # fp32 logits become their gradient in place: no copy, no product to round
+        "transient: one chunk of logits, turned into their gradient in place [rows, V]": rows * (50000 * 4 + row_vectors),
+        "saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward": (1024 + 50000) * 768 * 4,
+    }
 
 
 @pytest.mark.parametrize(("n_rows", "vocab", "rows"), [(8192, 128256, 2048), (16384, 50257, 4096), (8192, 256000, 1216)])
@@ -181,7 +189,7 @@ def test_chunk_may_grow_to_the_cast_gradient():
     if rowwise.HAS_TRITON:
         terms = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, True, False))
         chunk = terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"]
-        assert chunk == 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, in_place=True) <= cast * 5 // 4
+        assert chunk == 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, "cuda", in_place=True) <= cast * 5 // 4
         no_weight = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, False, False))
         assert no_weight["transient: one chunk of logits, turned into their gradient in place [rows, V]"] < chunk
 
@@ -199,7 +207,7 @@ def test_chunk_beside_returned_logits_is_small():
     # GPT-2's vocabulary, fp32: at 512 rows 1/16 of the logits is 16 rows of a chunk and its copy, raised to the
     # floor; at 16384 rows the share (under ∂C's size) already holds more than the floor, which changes nothing
     assert rowwise.chunk_rows(512, 50257, torch.float32, "cpu", returns_logits=True) == floor
-    share = min(16384 * 50257 * 4 // 16, 50257 * 768 * 4) // rowwise.chunk_bytes_per_row(50257, torch.float32)
+    share = min(16384 * 50257 * 4 // 16, 50257 * 768 * 4) // rowwise.chunk_bytes_per_row(50257, torch.float32, "cpu")
     cpu = rowwise.chunk_rows(16384, 50257, torch.float32, "cpu", returns_logits=True, gradient_bytes=50257 * 768 * 4)
     assert floor < share and floor <= cpu <= share * 5 // 4
     assert rowwise.chunk_rows(100, 1000, torch.float32, "cpu", returns_logits=True) == 100
@@ -227,10 +235,14 @@ def test_chunk_kernel_path(monkeypatch, reduction, smoothing, softcap, bias):
         torch.testing.assert_close(mine.double(), wanted, rtol=1e-4, atol=1e-6)
 
 
-def test_every_gemm_sees_the_padded_vocabulary(monkeypatch):
-    """With a vocabulary off the alignment (37), the classifier's GEMMs run on 64 zero-padded rows, chunks of 64
-    rows, and the results still match float64 math."""
+@pytest.mark.parametrize("pad", [False, True], ids=["cpu", "padded_as_on_cuda"])
+def test_every_gemm_sees_the_padded_vocabulary(monkeypatch, pad):
+    """With a vocabulary off the alignment (37), the classifier's GEMMs run on 64 zero-padded rows where the op
+    pads (CUDA; forced here), on its 37 rows off CUDA, in chunks of 64 rows, and the results match float64 math."""
     shapes = []
+    width = -(-V // 64) * 64 if pad else V
+    if pad:
+        monkeypatch.setattr(rowwise, "padded_vocab", lambda vocab, device_type: width)
 
     def recording(gemm):
         def call(*args, **kwargs):
@@ -248,8 +260,8 @@ def test_every_gemm_sees_the_padded_vocabulary(monkeypatch):
     targets = torch.randint(0, V, (150,), generator=gen)
     loss = torch.ops.memopt.cce_rowwise(hidden, weight, None, targets, -100, "mean", 0.0, None, True, True, False)[0]
     dims = {size for gemm in shapes for shape in gemm for size in shape}
-    assert len(shapes) == 3 * 3 and V not in dims and rowwise.padded_vocab(V) in dims  # logits, ∂E, ∂C a chunk
-    assert dims <= {64, 150 - 128, D, rowwise.padded_vocab(V)}  # chunks of 64 rows, then the 22 left
+    assert len(shapes) == 3 * 3 and width in dims and (V not in dims or not pad)  # logits, ∂E, ∂C a chunk
+    assert dims <= {64, 150 - 128, D, width}  # chunks of 64 rows, then the 22 left
     expected = _eager([hidden, weight], targets, "mean")
     torch.testing.assert_close(loss, expected, **FP64)
     ours, theirs = torch.autograd.grad(loss, [hidden, weight]), torch.autograd.grad(expected, [hidden, weight])
@@ -302,7 +314,7 @@ def test_returned_logits(monkeypatch, kernel, bias, smoothing, softcap):
     exact = [t.detach().double().requires_grad_() for t in leaves]
     expected = _eager(exact, targets, "mean", smoothing, softcap)
     tol = FP64 if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-6}
-    assert logits.shape == (N, V) and logits.stride() == (rowwise.padded_vocab(V), 1)
+    assert logits.shape == (N, V) and logits.stride() == (rowwise.padded_vocab(V, h.device.type), 1)
     assert not logits.requires_grad
     torch.testing.assert_close(logits.double(), F.linear(*exact).detach(), **tol)
     torch.testing.assert_close(loss.double(), expected, **tol)
