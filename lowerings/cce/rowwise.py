@@ -15,12 +15,13 @@ rule charges them and picks this variant only where they are worth it (``fxpass/
 
 Both devices run the op's chunk loop in an opaque op (it must not be traced: it would guard on the number of
 rows). On CUDA a Triton kernel (``rowwise_kernel.py``) takes a chunk's loss terms and gradient in two reads and
-one write of its logits, where the PyTorch path (CPU, fp64) makes about eight fp32 passes; a bias's gradient
-is the column sums of what the kernel writes. Gradients the graph does not need are not computed (``need_*``
-come from the rule).
+one write of its logits; a bias's gradient is the column sums of what the kernel writes. Elsewhere (CPU, fp64)
+PyTorch ops take them in place in five passes over fp32 or fp64 logits (16-bit logits through an fp32 copy), on
+the classifier as it is (CUDA's GEMMs want it padded; the CPU's do not). Gradients the graph does not need are
+not computed (``need_*`` come from the rule).
 
 ``return_logits``: a whole model compiled as it is returns its logits beside the loss. The op then forms all the
-logits with one GEMM (rows padded to 64 columns, as Inductor pads them) and returns them, and each chunk's
+logits with one GEMM (rows padded to 64 columns on CUDA, as Inductor pads them) and returns them, and each chunk's
 gradient is read from them into a chunk-sized buffer: still 6·N·D·V FLOPs, and no logits-sized tensor is saved
 for the backward. The returned logits are not differentiable here. Their own gradient, when a caller uses them,
 is added by ``fxpass.returned_logits`` outside the compiled graph, so that logits the caller drops cost no
