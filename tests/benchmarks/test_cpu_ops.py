@@ -19,4 +19,5 @@ def test_tiny_run_fills_the_table(tmp_path):
     assert all(ms > 0 for row in rows for ms in row["ms"].values())
     assert re.fullmatch(r"\d+×\d+ / \d+×\d+", rows[0]["blocks"])  # batch entries × query rows, forward / backward
     report = (tmp_path / "cpu_ops.md").read_text()
-    assert report.count("| attention | 2x2x20x8 |") == 6 and report.count("| cce | 24x50x8 |") == 6
+    assert report.count("| attention | 2x2x20x8 |") == 6 and report.count("| cce | 24x50x8 |") == 8
+    assert {"memopt backend, chunked", "memopt backend, row-wise"} <= set(rows[2]["ms"])  # compiled through memopt
