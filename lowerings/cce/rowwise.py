@@ -52,9 +52,12 @@ CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 # Where the op returns the logits, a chunk's buffer is held beside all of them rather than in their place, at the
 # forward's end where every activation is alive: 1/RETURNED_FRACTION of the logits, but at least
 # MIN_GEMM_ROWS rows on CUDA (fewer make ∂C's fp32 accumulation bound by memory: each chunk reads and writes ∂C, and
-# a chunk of r rows does r/4 FLOPs a byte of it, against the H200's ~170 FLOPs a byte at cuBLAS's rate).
+# a chunk of r rows does r/4 FLOPs a byte of it, against the H200's ~170 FLOPs a byte at cuBLAS's rate). 2048, not
+# 1024: at the Llama-3.2-1B shape a 1024-row chunk's ∂E and ∂C GEMMs take 1.61 ms against 2.93 for 2048 rows
+# (`benchmarks/cce_tune.py --rowwise`), and FSDP2's step (the head alone in its graph) went from 1.01-1.02×
+# torch.compile's time to 0.99× (one run), its peak from 0.87× to 0.88× (BENCHMARKS.md, eighteenth session).
 RETURNED_FRACTION = 16
-MIN_GEMM_ROWS = 1024
+MIN_GEMM_ROWS = 2048
 # Off CUDA the same floor is lower, for the same reason: each chunk's ∂E GEMM reads the whole classifier and its ∂C
 # sum reads and writes the fp32 ∂C. At GPT-2's vocabulary (512 × 50257 × 768, fp32, 2 cores) 1/16 of the logits
 # is 16 rows, 32 chunks: 1.46-1.90× torch.compile's time, against 0.99-1.43× for chunks of 128-512 rows (runs of

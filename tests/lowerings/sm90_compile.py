@@ -200,7 +200,7 @@ def _precompile_cce_rowwise(return_logits: bool) -> Precompiled:
     """``cce_rowwise``: the chunk kernel over the op's chunks, the last one shorter."""
     from lowerings.cce import rowwise, rowwise_kernel
 
-    n = 1100 if return_logits else 103  # returned logits: chunks of at least MIN_GEMM_ROWS
+    n = rowwise.MIN_GEMM_ROWS + 76 if return_logits else 103  # returned logits: chunks of at least MIN_GEMM_ROWS
     hidden = torch.randn(n, 48, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(3000, 48, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 3000, (n,))
