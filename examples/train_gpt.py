@@ -8,9 +8,10 @@ What it shows:
 
 1. memopt's rewrite report: the model is compiled as it is (``torch.compile(model, backend="memopt")``) and
    its forward returns ``(logits, loss)``. The nanoGPT loss ``cross_entropy(lm_head(x).view(-1, V), ...)``
-   becomes ``torch.ops.memopt.cce_with_logits``, which
-   computes the N×V logits once, returns them and saves none of them for backward (cut cross-entropy); the
-   training step drops the logits, so they die at once.
+   becomes one op that computes the N×V logits once, returns them and saves none of them for backward (cut
+   cross-entropy): on the CPU ``torch.ops.memopt.cce_rowwise``, which takes the loss's gradients from them in the
+   forward, on CUDA ``torch.ops.memopt.cce_with_logits``, which recomputes them in the backward. The training
+   step drops the logits, so they die at once.
    The causal attention becomes ``torch.ops.memopt.flash_attention``. The report says why for each.
 2. The memory one training step needs, estimated by memopt and measured: the tensors autograd saves for
    backward (and, on CUDA, the peak allocated), with memopt and with plain ``torch.compile`` (Inductor).
