@@ -603,9 +603,9 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
 # Measured (BENCHMARKS.md): on the H200 the row-wise op took 1.19-1.24x torch.compile's time where the chunked
 # one took 1.54-1.59x. Off CUDA, where its chunk loop is PyTorch ops around the GEMMs, it was the slower of the two
 # until its chunks took their gradient in place in five passes, on the classifier unpadded, in chunks of at least
-# 512 rows: compiled through the backend on 2 cores (fp32), 0.86× torch.compile's time at 2048 × 8192 × 128,
-# 0.92× at 2048 × 50257 × 768 and 0.99-1.11× at 512 × 50257 × 768, where the chunked op took 1.13-1.27×
-# (eighteenth session). So "auto" weighs the two alike on every device.
+# 512 rows: compiled through the backend on 2 cores (fp32), 0.93× torch.compile's time at 2048 × 8192 × 128,
+# 0.96× at 512 × 50257 × 768 and 1.01× at 2048 × 50257 × 768, where the chunked op took 1.20-1.31×
+# (`benchmarks/cpu_ops.py`, BENCHMARKS.md, eighteenth session). So "auto" weighs the two alike on every device.
 # Returned logits are another matter: the detached cce_with_logits recomputes them in the backward (one more
 # 2·N·D·V GEMM at the CPU's rate), where the row-wise op takes the gradients from the logits it returns. The demo's
 # head (2048 × 8192 × 128, fp32, 2 cores) took 1.00-1.11× torch.compile's time with cce_with_logits and 0.81-0.96×

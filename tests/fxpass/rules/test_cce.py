@@ -743,25 +743,20 @@ class TestVariant(TestCase):
         self.assertRegex(record.params["variant_reason"], r"^the row-wise variant frees .* of the chunked one's")
         self.assertIn("memopt.cce_rowwise", after_code(ex))
 
-    def test_auto_keeps_chunked_off_cuda_where_the_saved_gradients_cost_too_much(self):
-        """On the CPU as on CUDA: few tokens against a large classifier keep the chunked op."""
-        fn, weight = self._loss(vocab=4096, dim=64)
-        hidden = torch.randn(1, 16, 64, requires_grad=True)
-        ex = _check_numerics(fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, 16)), cce_variant="auto")
-        record = ex.records[0]
-        self.assertEqual(record.params["variant"], "chunked")
-        self.assertIn("under 3/4", record.params["variant_reason"])
-
     def test_auto_keeps_chunked_where_the_saved_gradients_cost_too_much(self):
-        """Few tokens against a large classifier: ∂C [V, D] kept from forward to backward outweighs the logits."""
+        """Few tokens against a large classifier: ∂C [V, D] kept from forward to backward outweighs the logits, on
+        CUDA and on the CPU alike."""
         fn, weight = self._loss(vocab=4096, dim=64)
         hidden = torch.randn(1, 16, 64, requires_grad=True)
-        ex = _check_numerics(
-            fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, 16)), cce_variant="auto", assume_device="cuda"
-        )
-        record = ex.records[0]
-        self.assertEqual(record.params["variant"], "chunked")
-        self.assertIn("under 3/4", record.params["variant_reason"])
+        for device in ("cuda", None):  # None: the graph's own device, the CPU
+            with self.subTest(assume_device=device):
+                ex = _check_numerics(
+                    fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, 16)), cce_variant="auto",
+                    assume_device=device,
+                )
+                record = ex.records[0]
+                self.assertEqual(record.params["variant"], "chunked")
+                self.assertIn("under 3/4", record.params["variant_reason"])
 
     def test_z_loss_needs_the_chunked_variant(self):
         fn, weight = self._loss(vocab=64, dim=8, z_loss=True)
