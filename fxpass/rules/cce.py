@@ -648,7 +648,8 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
         held = shapes.format_bytes(shapes.hint(chunked - rowwise))
         return "chunked", (
             f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "
-            f"keeps {held} (∂C in fp32, ∂E) at the forward's end, the step's peak; for one more 2·N·D·V GEMM"
+            f"keeps {held} more (the gradients it takes, a chunk beside the logits) at the forward's end, the step's "
+            "peak; for one more 2·N·D·V GEMM"
         )
     kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays  # for every shape if provable, else at the hints
     figures = f"the row-wise variant frees {shapes.format_bytes(shapes.hint(rowwise))} of the chunked one's " \
@@ -767,7 +768,10 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     }
     device = assumed_device(hidden.device, assume_device)
     if variant == "rowwise":
-        after = rowwise.working_set(rows, vocab, dim, dtype, device, _needs(candidate), candidate.returns_logits)
+        weight_grad = tensor_value(candidate.weight).dtype  # the parameter's, before autocast's cast
+        after = rowwise.working_set(
+            rows, vocab, dim, dtype, device, _needs(candidate), candidate.returns_logits, weight_grad
+        )
     else:
         after = working_set(rows, vocab, dim, dtype, device)
     # A caller that drops the returned logits (``.loss``, the Trainer) frees them before the backward, where

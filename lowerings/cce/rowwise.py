@@ -172,9 +172,14 @@ def working_set(
     device: torch.device,
     needs=(True, True, False),
     returns_logits: bool = False,
+    weight_grad_dtype: torch.dtype | None = None,
 ):
     """Bytes the op keeps beyond its inputs and the loss (and the logits it returns), by name, for the rule's
-    memory model."""
+    memory model. ``weight_grad_dtype``: the dtype of the gradient the weight itself takes (the parameter's).
+    Where that is the fp32 of ∂C's sum (fp32 weights, autocast's usual fine-tuning setup or fp32 training), ∂C
+    is the weight's gradient itself: the compiled backward scales it in place (donated buffers, measured on the
+    H200) where torch.compile's backward allocates the same fp32 [V, D] while the logits' gradient is alive. It
+    costs nothing extra then, as the speed issue states, and only its padding rows are charged."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
     in_place = _gradient_in_place(device.type, dtype)
@@ -199,10 +204,20 @@ def working_set(
         )
     if need_bias and _kernel_serves(device.type, dtype):
         terms["transient: a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
-    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (width * dim * acc if need_weight else 0)
-    saved = saved + (vocab * acc if need_bias else 0)
-    terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
+    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * acc if need_bias else 0)
+    if need_weight and weight_grad_dtype == reference.compute_dtype(dtype):
+        terms["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] = saved
+        terms[WEIGHT_GRADIENT_ITSELF] = (width - vocab) * dim * acc
+    else:
+        saved = saved + (width * dim * acc if need_weight else 0)
+        terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
     return terms
+
+
+WEIGHT_GRADIENT_ITSELF = (
+    "saved: ∂C [V, D] (fp32), taken in the forward, the weight's fp32 gradient itself (torch.compile allocates it "
+    "in the backward): its padding rows only"
+)
 
 
 def padded_rows(tensor: torch.Tensor | None, rows: int) -> torch.Tensor | None:

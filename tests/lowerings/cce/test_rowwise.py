@@ -170,6 +170,24 @@ def test_working_set_charges_the_saved_gradients():
     }
 
 
+def test_working_set_spares_the_fp32_weights_gradient():
+    """With fp32 weights (autocast over them, or fp32 training) ∂C's fp32 sum is the weight's gradient itself:
+    only its padding rows are charged (48 at V = 50000 on CUDA, none off CUDA), the rest stays charged as before."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    charged = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False))
+    spared = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False), False, torch.float32)
+    assert spared[rowwise.WEIGHT_GRADIENT_ITSELF] == 48 * 768 * 4
+    assert spared["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] == 1024 * 768 * 2
+    assert sum(charged.values()) - sum(spared.values()) == 50000 * 768 * 4
+    fp32 = rowwise.working_set(2048, 50000, 768, torch.float32, cpu, (True, True, True), False, torch.float32)
+    assert fp32[rowwise.WEIGHT_GRADIENT_ITSELF] == 0
+    assert fp32["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] == (2048 * 768 + 50000) * 4
+    bf16_weight = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False), False, torch.bfloat16)
+    assert bf16_weight == charged  # a 16-bit weight's gradient is a cast beside the fp32 sum: charged in full
+    no_weight = rowwise.working_set(1024, 50000, 768, torch.float32, cpu, (True, False, False), False, torch.float32)
+    assert rowwise.WEIGHT_GRADIENT_ITSELF not in no_weight
+
+
 @pytest.mark.parametrize(("n_rows", "vocab", "rows"), [(8192, 128256, 2048), (16384, 50257, 4096), (8192, 256000, 1216)])
 def test_chunks_are_balanced(n_rows, vocab, rows):
     """Chunks of about equal size within 1/4 over the share, so that no small tail chunk runs its GEMMs slowly
