@@ -13,9 +13,17 @@ from tests.models.test_hf_models import _batch, _check_whole_model, _gpt2, _grad
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
+# What each variant leaves in Inductor's output code: the chunked op's Triton kernels are triton_ops, emitted into
+# it; the row-wise op's chunk loop is opaque, called as the op. "auto" takes the row-wise op for these fp32 models:
+# ∂C's fp32 sum is their weight's gradient itself, not charged.
+_EMITTED = {"chunked": "_lse_forward_kernel", "auto": "torch.ops.memopt.cce_rowwise.default"}
+
+
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
-def test_model_on_cuda_emits_cce_kernel(build):
-    """A loss-only step compiled with memopt runs the CCE Triton kernel and matches eager (fp32, no TF32)."""
+@pytest.mark.parametrize("variant", list(_EMITTED))
+def test_model_on_cuda_emits_cce_kernel(build, variant):
+    """A loss-only step compiled with memopt runs the CCE op the variant names and matches eager (fp32, no
+    TF32)."""
     model = build().cuda()
     ids, labels = (t.cuda() for t in _batch(masked_lm=False))
     names, params = _parameters(model)
@@ -25,10 +33,13 @@ def test_model_on_cuda_emits_cce_kernel(build):
 
     expected = step(ids, labels)
     expected_grads = _grads(expected, params)
-    compiled = torch.compile(step, backend="memopt", options={"force": True}, fullgraph=True)
+    options = {"force": True, "cce_variant": variant}
+    compiled = torch.compile(step, backend="memopt", options=options, fullgraph=True)
     loss, codes = run_fw_bw_and_get_code(lambda: compiled(ids, labels))
-    assert any("_lse_forward_kernel" in code for code in codes), "CCE kernel missing from Inductor's output code"
-    assert any(report.applied for report in fxpass.reports())
+    assert any(_EMITTED[variant] in code for code in codes), f"{_EMITTED[variant]} missing from the output code"
+    records = [record for report in fxpass.reports() for record in report.records if record.rule == "cce"]
+    assert records and records[-1].applied
+    assert records[-1].params["variant"] == ("chunked" if variant == "chunked" else "rowwise")
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
     # gradients in another reduction order: rounding scales with each tensor's magnitude, not a fixed atol
     for name, actual, wanted in zip(names, _grads(compiled(ids, labels), params), expected_grads, strict=True):
