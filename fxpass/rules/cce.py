@@ -610,8 +610,9 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
 # 2·N·D·V GEMM at the CPU's rate), where the row-wise op takes the gradients from the logits it returns. The demo's
 # head (2048 × 8192 × 128, fp32, 2 cores) took 1.00-1.11× torch.compile's time with cce_with_logits and 0.81-0.96×
 # with the row-wise op (`benchmarks/cpu_ops.py`), the demo's training step 1.16× and 0.99×; at GPT-2's head
-# (512 × 50257 × 768) the two were alike (1.39× and 1.41×), and there ∂C outweighs the logits, so the 3/4 rule
-# keeps cce_with_logits (BENCHMARKS.md, seventeenth session).
+# (512 × 50257 × 768) 1.32× and 1.05× (eighteenth session), where with fp32 weights ∂C is the weight's gradient
+# itself and the 3/4 rule takes the row-wise op (GPT-2 compiled whole on CPU: 0.99× torch.compile's step time,
+# nineteenth session); with 16-bit weights ∂C outweighs the logits and cce_with_logits stays.
 RETURNED_LOGITS_OFF_CUDA = (
     "returned logits off CUDA: the row-wise op takes the gradients from them in the forward (6·N·D·V FLOPs), "
     "where cce_with_logits recomputes them at the CPU's GEMM rate"
