@@ -749,35 +749,38 @@ class TestVariant(TestCase):
     # least 512 rows, so fewer tokens than that leave the row-wise op a chunk of all the logits
     _FEW_TOKENS: ClassVar[dict[str | None, tuple[int, int]]] = {"cuda": (16, 64), None: (2048, 512)}
 
-    def _decide_per_device(self, dtype: torch.dtype):
-        for device, (tokens, dim) in self._FEW_TOKENS.items():  # None: the graph's own device, the CPU
-            fn, weight = self._loss(vocab=4096, dim=dim, dtype=dtype)
-            hidden = torch.randn(1, tokens, dim, dtype=dtype, requires_grad=True)
-            with self.subTest(assume_device=device):
-                torch._dynamo.reset()
-                yield _check_numerics(
-                    fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, tokens)), cce_variant="auto",
-                    assume_device=device,
-                )
+    def _decided_at_few_tokens(self, device: str | None, dtype: torch.dtype):
+        """The loss at ``_FEW_TOKENS[device]`` with weights in ``dtype``, checked against eager and decided for
+        ``device`` (None: the graph's own device, the CPU)."""
+        tokens, dim = self._FEW_TOKENS[device]
+        fn, weight = self._loss(vocab=4096, dim=dim, dtype=dtype)
+        hidden = torch.randn(1, tokens, dim, dtype=dtype, requires_grad=True)
+        torch._dynamo.reset()
+        return _check_numerics(
+            fn, [hidden, weight], hidden, torch.randint(0, 4096, (1, tokens)), cce_variant="auto", assume_device=device
+        )
 
     def test_auto_keeps_chunked_where_the_saved_gradients_cost_too_much(self):
         """Few tokens against a large classifier of 16-bit weights: ∂C [V, D], summed in fp32 and kept from
         forward to backward beside the weight's own bf16 gradient, outweighs the logits, on CUDA and on the CPU
         alike."""
-        for ex in self._decide_per_device(torch.bfloat16):
-            record = ex.records[0]
-            self.assertEqual(record.params["variant"], "chunked")
-            self.assertIn("under 3/4", record.params["variant_reason"])
+        for device in self._FEW_TOKENS:
+            with self.subTest(assume_device=device):
+                record = self._decided_at_few_tokens(device, torch.bfloat16).records[0]
+                self.assertEqual(record.params["variant"], "chunked")
+                self.assertIn("under 3/4", record.params["variant_reason"])
 
     def test_an_fp32_weight_takes_its_gradient_in_the_forward_for_free(self):
         """The same losses with fp32 weights: ∂C's fp32 sum is the weight's gradient itself, which torch.compile
         allocates in the backward anyway, so the memory model charges only its padding rows (none at V = 4096)
         and "auto" takes the row-wise op, on CUDA and on the CPU alike."""
-        for ex in self._decide_per_device(torch.float32):
-            record = ex.records[0]
-            self.assertEqual(record.params["variant"], "rowwise")
-            self.assertRegex(record.params["variant_reason"], r"^the row-wise variant frees .* of the chunked one's")
-            self.assertIn("memopt.cce_rowwise", after_code(ex))
+        for device in self._FEW_TOKENS:
+            with self.subTest(assume_device=device):
+                ex = self._decided_at_few_tokens(device, torch.float32)
+                record = ex.records[0]
+                self.assertEqual(record.params["variant"], "rowwise")
+                self.assertRegex(record.params["variant_reason"], r"^the row-wise variant frees .* of the chunked one's")
+                self.assertIn("memopt.cce_rowwise", after_code(ex))
 
     def test_z_loss_needs_the_chunked_variant(self):
         fn, weight = self._loss(vocab=64, dim=8, z_loss=True)
