@@ -116,7 +116,7 @@ _COMPILE_LOCKS_GUARD = threading.Lock()
 def compile_lock(kernel) -> threading.Lock:
     """The lock of ``kernel``'s warm-ups. Triton's JIT looks a specialization up in the kernel's cache and
     compiles it on a miss, unlocked: two warm-up threads asking for one specialization both compiled it (GPT-2's
-    sample calls of 768- and 3072-wide inputs both warm the same draw, BENCHMARKS.md, fourteenth session).
+    sample calls of 768- and 3072-wide inputs both warm the same draw, `benchmarks/first_call.py`).
     Held, the second finds the first's kernel in the cache."""
     with _COMPILE_LOCKS_GUARD:
         return _COMPILE_LOCKS.setdefault(id(kernel), (kernel, threading.Lock()))[1]

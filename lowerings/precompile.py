@@ -4,7 +4,7 @@ Inductor compiles the kernels it emits in its pool of workers, before the first 
 launch theirs eagerly (the CCE backward behind ``cce`` and ``cce_with_logits``, the row-wise CCE, WTA-CRS's
 draw, opaque sample and estimate update), so Triton's JIT compiled each one at its first launch, inside the first
 training step, one after the other on the main thread: about 2.4 s of a cold first call on the H200
-(BENCHMARKS.md, twelfth session). Once a graph is rewritten, the backend hands it to ``start``: a worker thread
+(`benchmarks/first_call.py`, cold). Once a graph is rewritten, the backend hands it to ``start``: a worker thread
 runs each opaque call's launch code on meta tensors of the call's shapes with its launches turned into Triton's
 ``warmup`` (``_library.warming``), which compiles exactly the specialization the real launch asks for (argument
 dtypes, integer values, pointer alignment, constexprs) into the kernel's cache. Triton releases the GIL in its
@@ -194,7 +194,7 @@ def prepare_triton() -> None:
     cache key of its own install (``triton_key``: a Python loop hashing libtriton's hundreds of megabytes in 1 MB
     reads) and its CUDA driver. In the warm-up threads, beside a main thread busy loading Inductor's cached
     graph, each waited for the GIL at every read: ~2.1 s a thread on a warm start on the H200, and the first
-    step 1.20x torch.compile's against 0.97x with no warm-up (BENCHMARKS.md, fifteenth session). Here it takes
+    step 1.20x torch.compile's against 0.97x with no warm-up (`benchmarks/first_call.py`, warm). Here it takes
     a fraction of a second that the process's first memopt launch would spend anyway."""
     try:
         from triton.runtime import driver

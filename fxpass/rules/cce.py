@@ -252,7 +252,7 @@ def _widening_is_slow(classifier: fx.Node) -> str | None:
     logits 16 bytes after the last, which an odd vocabulary's are not (GPT-2's 50257 classes). The op then
     writes padded row chunks and copies them into place (``fp32_logits_by_row_chunks``), and GPT-2's Trainer
     step took 1.04x torch.compile's time against 0.90x with 16-bit logits and the graph's cast (H200,
-    BENCHMARKS.md, fifteenth session): the 16-bit logits stay."""
+    `benchmarks/hf_trainer.py --models gpt2`): the 16-bit logits stay."""
     from lowerings.cce.with_logits import rows_aligned
 
     logits = tensor_value(classifier)
@@ -605,14 +605,15 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
 # until its chunks took their gradient in place in five passes, on the classifier unpadded, in chunks of at least
 # 512 rows: compiled through the backend on 2 cores (fp32), 0.93× torch.compile's time at 2048 × 8192 × 128,
 # 0.96× at 512 × 50257 × 768 and 1.01× at 2048 × 50257 × 768, where the chunked op took 1.20-1.31×
-# (`benchmarks/cpu_ops.py`, BENCHMARKS.md, eighteenth session). So "auto" weighs the two alike on every device.
+# (`benchmarks/cpu_ops.py`, backend rows). So "auto" weighs the two alike on every device.
 # Returned logits are another matter: the detached cce_with_logits recomputes them in the backward (one more
 # 2·N·D·V GEMM at the CPU's rate), where the row-wise op takes the gradients from the logits it returns. The demo's
 # head (2048 × 8192 × 128, fp32, 2 cores) took 1.00-1.11× torch.compile's time with cce_with_logits and 0.81-0.96×
 # with the row-wise op (`benchmarks/cpu_ops.py`), the demo's training step 1.16× and 0.99×; at GPT-2's head
-# (512 × 50257 × 768) 1.32× and 1.05× (eighteenth session), where with fp32 weights ∂C is the weight's gradient
+# (512 × 50257 × 768) 1.32× and 1.05× (`benchmarks/cpu_ops.py`), where with fp32 weights ∂C is the weight's gradient
 # itself and the 3/4 rule takes the row-wise op (GPT-2 compiled whole on CPU: 0.99× torch.compile's step time,
-# nineteenth session); with 16-bit weights ∂C outweighs the logits and cce_with_logits stays.
+# `benchmarks/e2e.py --flows whole_model --device cpu`); with 16-bit weights ∂C outweighs the logits and
+# cce_with_logits stays.
 RETURNED_LOGITS_OFF_CUDA = (
     "returned logits off CUDA: the row-wise op takes the gradients from them in the forward (6·N·D·V FLOPs), "
     "where cce_with_logits recomputes them at the CPU's GEMM rate"
@@ -694,7 +695,8 @@ def _head_alone(classifier: fx.Node) -> str:
     """Why the row-wise op should serve returned logits here, or "": where the graph's other matmuls do less work
     than the classifier (FSDP2's per-block frames leave head and loss in a graph of their own), little else in
     the graph runs beside the detached op's extra 2·N·D·V GEMM: FSDP2 at the Llama-3.2-1B shape took 1.05×
-    torch.compile's step time with it (sixteenth session), the op alone 1.52× and the row-wise one 1.04×."""
+    torch.compile's step time with it (`benchmarks/e2e.py --flows fsdp`), the op alone 1.52× and the row-wise one
+    1.04×."""
     head = _matmul_flops(classifier)
     rest = sum(_matmul_flops(node) for graph in _graphs_of(classifier.graph) for node in graph.nodes
                if node is not classifier)

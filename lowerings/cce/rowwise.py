@@ -55,17 +55,18 @@ CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 # a chunk of r rows does r/4 FLOPs a byte of it, against the H200's ~170 FLOPs a byte at cuBLAS's rate). 2048, not
 # 1024: at the Llama-3.2-1B shape a 1024-row chunk's ∂E and ∂C GEMMs take 1.61 ms against 2.93 for 2048 rows
 # (`benchmarks/cce_tune.py --rowwise`), and FSDP2's step (the head alone in its graph) went from 1.01-1.02×
-# torch.compile's time to 0.99× (one run), its peak from 0.87× to 0.88× (BENCHMARKS.md, eighteenth session).
+# torch.compile's time to 0.99× (one run), its peak from 0.87× to 0.88×
+# (`benchmarks/e2e.py --models llama-1b --flows fsdp`).
 RETURNED_FRACTION = 16
 MIN_GEMM_ROWS = 2048
 # Off CUDA the same floor is lower, for the same reason: each chunk's ∂E GEMM reads the whole classifier and its ∂C
 # sum reads and writes the fp32 ∂C. At GPT-2's vocabulary (512 × 50257 × 768, fp32, 2 cores) 1/16 of the logits
 # is 16 rows, 32 chunks: 1.46-1.90× torch.compile's time, against 0.99-1.43× for chunks of 128-512 rows (runs of
-# a noisy 2-core machine; BENCHMARKS.md, seventeenth session).
+# a noisy 2-core machine; `benchmarks/cpu_ops.py`).
 MIN_CPU_GEMM_ROWS = 256
 # A loss-only chunk off CUDA, held in place of the logits rather than beside them, is at least MIN_CPU_LOSS_ROWS:
 # at 512 × 50257 × 768 (fp32, 2 cores, compiled through the backend) the op took 1.37× torch.compile's time in
-# 64-row chunks, 1.17× in 128, 1.08× in 256 and 0.99× in one chunk of 512 (BENCHMARKS.md, eighteenth session).
+# 64-row chunks, 1.17× in 128, 1.08× in 256 and 0.99× in one chunk of 512 (`benchmarks/cpu_ops.py`).
 MIN_CPU_LOSS_ROWS = 512
 
 

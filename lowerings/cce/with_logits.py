@@ -116,7 +116,7 @@ def classifier_logits(
 # cuBLAS's fast GEMMs want every output row to start 16 bytes after the last. An fp32 row of an odd vocabulary
 # does not (GPT-2's 50257 classes), and there torch.mm ran 3.5x slower on the H200: 13.3 ms for GPT-2's
 # 16384 x 50257 x 768 head, against ~3.9 for the whole head compiled by Inductor, which pads the row stride
-# (BENCHMARKS.md, fifteenth session).
+# (`benchmarks/hf_trainer.py --models gpt2`, the H200).
 _ROW_ALIGNMENT_BYTES = 16
 _FP32_BYTES = 4
 # The most that the padded buffer of one row chunk's GEMM takes before its copy into place.

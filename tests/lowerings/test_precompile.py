@@ -151,7 +151,7 @@ def test_interleaved_takes_one_call_per_warmer_each_round():
 
 def test_start_computes_tritons_key_on_the_calling_thread(monkeypatch):
     """Triton's key of its own install is a Python loop over libtriton's megabytes: each warm-up thread computing
-    it beside the busy main thread waited for the GIL at every read (BENCHMARKS.md, fifteenth session). It is
+    it beside the busy main thread waited for the GIL at every read (`benchmarks/first_call.py`, warm). It is
     computed once, before the threads start."""
     import threading
 
