@@ -1,8 +1,10 @@
-"""Pieces every benchmark script shares: releasing memory between measurements, and one-line error notes."""
+"""Pieces every benchmark script shares: its start (logging, the device it needs, its output folder), releasing
+memory between measurements, peaks, turns, reports and one-line error notes."""
 
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,10 +15,24 @@ import torch
 from fxpass.report import error_note
 
 __all__ = [
-    "cpu_peak", "cuda_peak", "error_note", "header", "in_turns", "peak_breakdown", "release_memory", "write_report"
+    "cpu_peak", "cuda_peak", "error_note", "header", "in_turns", "peak_breakdown", "release_memory", "set_up",
+    "write_report",
 ]
 
 T = TypeVar("T")
+
+
+def set_up(out: Path | None = None, needs_cuda: str | None = None, quiet_rules: bool = False) -> None:
+    """A benchmark's first lines: log each line with its time; stop with "``needs_cuda`` needs a CUDA device" (the
+    script's path) where the script needs one and there is none; create the output folder ``out``; with
+    ``quiet_rules``, leave out the per-graph decision tables that memopt's rules log."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if quiet_rules:
+        logging.getLogger("fxpass").setLevel(logging.WARNING)
+    if needs_cuda and not torch.cuda.is_available():
+        raise SystemExit(f"{needs_cuda} needs a CUDA device")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
 
 
 def release_memory(forget_compiled: bool = True) -> None:

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
 import lowerings  # noqa: F401
-from benchmarks._common import cuda_peak, error_note, header, release_memory, write_report
+from benchmarks._common import cuda_peak, error_note, header, release_memory, set_up, write_report
 
 log = logging.getLogger("benchmarks.attention")
 MiB = 1 << 20
@@ -197,10 +197,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--no-model", dest="model", action="store_false")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/attention.py needs a CUDA device")
-    args.out.mkdir(parents=True, exist_ok=True)
+    set_up(args.out, needs_cuda="benchmarks/attention.py")
     dtype = getattr(torch, args.dtype)
     chosen = methods()
     if args.methods:

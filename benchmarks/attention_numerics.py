@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowerings  # noqa: F401
-from benchmarks._common import header, write_report
+from benchmarks._common import header, set_up, write_report
 from lowerings.flash_attention import kernels
 
 log = logging.getLogger("benchmarks.attention_numerics")
@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/attention_numerics.py needs a CUDA device")
-    args.out.mkdir(parents=True, exist_ok=True)
+    set_up(args.out, needs_cuda="benchmarks/attention_numerics.py")
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import cuda_peak, error_note, release_memory, write_report
+from benchmarks._common import cuda_peak, error_note, release_memory, set_up, write_report
 from lowerings.cce import linear_cross_entropy
 
 log = logging.getLogger("benchmarks.cce")
@@ -306,10 +306,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--rep-ms", type=int, default=400)
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/cce.py needs a CUDA device")
-    args.out.mkdir(parents=True, exist_ok=True)
+    set_up(args.out, needs_cuda="benchmarks/cce.py")
     include = set(args.methods.split(",")) if args.methods else None
     env = environment()
     log.info("environment %s", env)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import cpu_peak, cuda_peak, error_note, header, in_turns, release_memory, write_report
+from benchmarks._common import cpu_peak, cuda_peak, error_note, header, in_turns, release_memory, set_up, write_report
 
 log = logging.getLogger("benchmarks.e2e")
 
@@ -182,7 +182,7 @@ def training_step(
     model, step: Callable, batch, device: torch.device, autocast: bool, phases: bool = False
 ) -> Callable[[], torch.Tensor]:
     """One forward + backward of ``step`` on ``batch``, from zeroed (kept) gradients. ``phases`` names the two in
-    a profile (``FORWARD_RANGE``, ``BACKWARD_RANGE``), for ``profile_step.py --trace``."""
+    a profile (``FORWARD_RANGE``, ``BACKWARD_RANGE``), for ``tools/profile_step.py --trace``."""
 
     def one_step():
         model.zero_grad(set_to_none=False)
@@ -339,10 +339,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    set_up(args.out)
     device = torch.device(args.device)
     rows = []
-    args.out.mkdir(parents=True, exist_ok=True)
     progress = args.out / "e2e.jsonl"  # one line per case as it ends, so a run cut short keeps what it measured
     for name in args.models.split(","):
         for attention in args.attention.split(","):

@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import error_note, header, peak_breakdown, release_memory, write_report
+from benchmarks._common import error_note, header, peak_breakdown, release_memory, set_up, write_report
 
 log = logging.getLogger("benchmarks.hf_trainer")
 GiB = 1 << 30
@@ -297,10 +297,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> list[Result]:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("fxpass").setLevel(logging.WARNING)  # the per-graph decision tables
+    set_up(args.out, quiet_rules=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.out.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.models.split(","):

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import header, release_memory, write_report
+from benchmarks._common import header, release_memory, set_up, write_report
 from benchmarks.wta_crs import add_model_arguments, add_step_arguments, backends, training_step
 
 log = logging.getLogger("benchmarks.saved_tensors")
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--floor-mib", type=float, default=1.0, help="fold smaller entries into one row")
     add_step_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("fxpass").setLevel(logging.WARNING)
+    set_up(quiet_rules=True)
     device = torch.device(args.device)
     variants = backends([args.budget], args.mode)
     default = f"torch.compile,memopt,memopt + WTA-CRS {args.budget}"

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import cuda_peak, error_note, header, release_memory, write_report
+from benchmarks._common import cuda_peak, error_note, header, release_memory, set_up, write_report
 from lowerings.wta_crs import reset_estimates
 
 log = logging.getLogger("benchmarks.wta_crs")
@@ -295,8 +295,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     parser.add_argument("--combine-budget", type=float, default=None, help="add WTA-CRS under this activation budget")
     add_step_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args.out.mkdir(parents=True, exist_ok=True)
+    set_up(args.out)
     device = torch.device(args.device)
     chosen = backends([float(b) for b in args.budgets.split(",") if b], args.mode, args.combine_budget)
     if args.variants:

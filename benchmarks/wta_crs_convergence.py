@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import write_report
+from benchmarks._common import set_up, write_report
 from examples.gpt import GPT, GPTConfig
 from examples.train_gpt import build_dataset, eval_batches, evaluate, get_batch
 from lowerings.wta_crs import reset_estimates
@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    args.out.mkdir(parents=True, exist_ok=True)
+    set_up(args.out)
     device = torch.device(args.device)
     data = build_dataset(args.data_mb, args.vocab_size)
     runs = []

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from fxpass import checkpoint, returned_logits
 from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
+from fxpass.compiled_cost import step_costs
 from fxpass.config import Config, ConfigError
 from fxpass.report import GraphReport, error_note, publish, tracing_enabled
 from fxpass.rewrite import copy_graph, rewrite_graph, undone, warn_once
@@ -72,6 +73,9 @@ class MemoptBackend:
         options: memopt keys (see ``Config``) and Inductor config keys, as in ``torch.compile(options=)``.
         sink: called with each graph's report (``fxpass.explain`` collects reports this way).
         keep_code: render the graph code before and after rewriting even without a debug dir or trace.
+        price_steps: price each whole graph as torch.compile runs it, before and after the rewrites
+            (``fxpass.compiled_cost``): what ``fxpass.explain`` prints as the step's saved bytes. It traces
+            each graph twice more, so compiling for training leaves it off.
     """
 
     def __init__(
@@ -81,8 +85,10 @@ class MemoptBackend:
         *,
         sink: Callable[[GraphReport], None] | None = None,
         keep_code: bool = False,
+        price_steps: bool = False,
     ) -> None:
         memopt_options, self.inductor_options = split_options(options)
+        self.price_steps = price_steps
         self.config = Config.from_options(memopt_options)
         self.mode = mode
         self.sink = sink
@@ -95,6 +101,8 @@ class MemoptBackend:
         bodies = {region.name: copy_graph(region.body.graph) for region in checkpoint.regions(gm)}
         gm.meta[returned_logits.WRAPPED_KEY] = True  # this backend re-attaches returned logits (returned_logits.py)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
+        if self.price_steps:
+            report.step = step_costs(fx.GraphModule(gm, copy_graph(original)), gm)
         if report.applied and self.config.precompile:  # opaque ops' kernels compile while Inductor compiles
             precompile.start(gm)
         superseded = False

@@ -21,6 +21,7 @@ DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")
 WTA_CRS_SAMPLINGS: tuple[str, ...] = ("traced", "opaque")
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "memopt")
+PRICINGS: tuple[str, ...] = ("compile", "eager")
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
 ENV_DISABLE = "MEMOPT_DISABLE"
@@ -35,6 +36,7 @@ ENV_CCE_VARIANT = "MEMOPT_CCE_VARIANT"
 ENV_WTA_CRS_SAMPLING = "MEMOPT_WTA_CRS_SAMPLING"
 ENV_ATTENTION_KERNEL = "MEMOPT_ATTENTION_KERNEL"
 ENV_PRECOMPILE = "MEMOPT_PRECOMPILE"
+ENV_PRICING = "MEMOPT_PRICING"
 
 
 class ConfigError(ValueError):
@@ -83,6 +85,12 @@ class Config:
             bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always
             takes memopt's kernel. On the H200 cuDNN was the faster of the two in every case it serves
             (BENCHMARKS.md, "Which kernel serves which attention").
+        pricing: what a rewrite's saving is measured against: "compile" (default) prices the replaced nodes and
+            the inserted ones as torch.compile runs them (AOTAutograd's partitioner and Inductor's joint-graph
+            passes, on fake tensors: ``fxpass/pricing.py``); "eager" prices the graph as written, as eager
+            PyTorch keeps it, which overstates the saving (CCE at Llama-3's head: 8.3 GiB against the 1.0 GiB
+            torch.compile's peak drops by) but costs no tracing at compile time. WTA-CRS and checkpointed
+            regions are priced as written either way.
         precompile: compile the Triton kernels that memopt's opaque ops launch at run time (the CCE backward,
             the row-wise CCE, WTA-CRS's draw and store) in a background thread while Inductor compiles the graph,
             instead of at their first launch inside the first step (``lowerings/precompile.py``). CUDA only;
@@ -104,6 +112,7 @@ class Config:
     cce_variant: str = "auto"
     attention_kernel: str = "auto"
     precompile: bool = True
+    pricing: str = "compile"
 
     def __post_init__(self) -> None:
         _check_type("strict", self.strict, bool)
@@ -127,6 +136,8 @@ class Config:
             raise ConfigError(f"wta_crs_sampling must be one of {WTA_CRS_SAMPLINGS}, got {self.wta_crs_sampling!r}")
         if self.cce_variant not in CCE_VARIANTS:
             raise ConfigError(f"cce_variant must be one of {CCE_VARIANTS}, got {self.cce_variant!r}")
+        if self.pricing not in PRICINGS:
+            raise ConfigError(f"pricing must be one of {PRICINGS}, got {self.pricing!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ConfigError(f"attention_kernel must be one of {ATTENTION_KERNELS}, got {self.attention_kernel!r}")
         if not all(isinstance(name, str) for name in self.disable):
@@ -213,6 +224,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["wta_crs_sampling"] = env[ENV_WTA_CRS_SAMPLING].strip().lower()
     if env.get(ENV_ATTENTION_KERNEL):
         values["attention_kernel"] = env[ENV_ATTENTION_KERNEL].strip().lower()
+    if env.get(ENV_PRICING):
+        values["pricing"] = env[ENV_PRICING].strip().lower()
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):

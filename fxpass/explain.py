@@ -33,6 +33,17 @@ class Explanation:
     def applied(self) -> list[RewriteRecord]:
         return [record for record in self.records if record.applied]
 
+    def saved_bytes(self) -> dict[str, int] | None:
+        """Bytes every graph's compiled forward saves for the backward, summed, under torch.compile and under
+        memopt (their hints); None where a graph was not priced."""
+        totals = {"torch.compile": 0, "memopt": 0}
+        for graph in self.graphs:
+            if graph.step is None or "error" in graph.step:
+                return None
+            for name in totals:
+                totals[name] += graph.step[name].hints()["saved"]
+        return totals
+
     def __str__(self) -> str:
         if not self.graphs:
             return "memopt: Dynamo captured no graph"
@@ -46,19 +57,22 @@ def explain(
     dynamic: bool | None = None,
     fullgraph: bool = False,
     assume_device: str | None = None,
+    price_steps: bool = True,
     **kwargs: Any,
 ) -> Explanation:
     """Run ``fn(*args, **kwargs)`` once under memopt's rewrites and return what was decided.
 
     ``options`` are memopt options (as for ``torch.compile``); the inner compiler is forced to "eager".
     ``assume_device`` ("cuda" or "cpu") is the ``assume_device`` option: decide as that device's
-    implementations would, whatever device the tensors are on.
+    implementations would, whatever device the tensors are on. ``price_steps`` prices each whole graph as
+    torch.compile runs it, before and after the rewrites: the step's saved-for-backward bytes under
+    torch.compile and under memopt, known before anything runs on a GPU (``Explanation.saved_bytes``).
     """
     graphs: list[GraphReport] = []
     options = {**(options or {}), "inner_compiler": "eager"}
     if assume_device is not None:
         options["assume_device"] = assume_device
-    backend = MemoptBackend(options=options, sink=graphs.append, keep_code=True)
+    backend = MemoptBackend(options=options, sink=graphs.append, keep_code=True, price_steps=price_steps)
     compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     result = compiled(*args, **kwargs)
     return Explanation(graphs, result)

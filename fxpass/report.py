@@ -27,7 +27,7 @@ from fxpass.shapes import format_bytes
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: saved_bytes is what a rewrite frees against torch.compile where against_compile is set
 _HISTORY: collections.deque[GraphReport] = collections.deque(maxlen=64)
 _GRAPH_COUNTER = itertools.count()
 
@@ -45,7 +45,8 @@ class RewriteRecord:
     saved_bytes_hint: int | None
     proof: str | None
     params: dict[str, Any]
-    memory: dict[str, dict[str, str]] | None = None
+    memory: dict[str, dict[str, str]] | None = None  # the memory model of the graph as written (eager's)
+    against_compile: dict[str, Any] | None = None  # fxpass.pricing.Priced.describe(): saved_bytes' source
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"nodes": list(self.nodes)}
@@ -57,6 +58,9 @@ def error_note(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:160]}"
 
 
+INTERNAL = "memopt's ops inside their kernels (backward)"
+
+
 @dataclasses.dataclass
 class GraphReport:
     """The records of one compiled graph, with its code before and after the rewrites when kept."""
@@ -66,6 +70,24 @@ class GraphReport:
     before: str | None = None
     after: str | None = None
     graph_module: fx.GraphModule | None = dataclasses.field(default=None, repr=False)
+    # the whole graph priced as torch.compile runs it, as captured and as rewritten (fxpass.compiled_cost's
+    # step_costs), where the backend was asked to (fxpass.explain)
+    step: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
+
+    def step_summary(self) -> str | None:
+        """The graph's saved-for-backward bytes and peak under torch.compile and under memopt, one line."""
+        if self.step is None:
+            return None
+        if "error" in self.step:
+            return f"whole graph not priced: {self.step['error']}"
+        compile_, memopt = self.step["torch.compile"].hints(), self.step["memopt"].hints()
+        return (
+            f"saved for the backward: {format_bytes(compile_['saved'])} under torch.compile, "
+            f"{format_bytes(memopt['saved'])} under memopt; the graph's own peak beyond its inputs: "
+            f"{format_bytes(max(compile_['forward_peak'], compile_['backward_peak']))} and "
+            f"{format_bytes(max(memopt['forward_peak'], memopt['backward_peak']))} (memopt's kernels' own "
+            "buffers aside)"
+        )
 
     @property
     def applied(self) -> list[RewriteRecord]:
@@ -89,7 +111,7 @@ class GraphReport:
     def table(self) -> str:
         """A markdown table of the decisions; records with the same rule, outcome and reason share a row."""
         lines = [
-            "| rule | applied | where | saves (hint) | proof | reason |",
+            "| rule | applied | where | frees vs torch.compile (hint) | proof | reason |",
             "|---|---|---|---|---|---|",
         ]
         for group in _grouped(self.records):
@@ -107,6 +129,8 @@ class GraphReport:
             f"memopt graph {self.graph_id}: {len(applied)} of {len(self.records)} candidates rewritten, "
             f"about {format_bytes(self.saved_bytes_hint)} saved at the example shapes"
         )
+        step = self.step_summary()
+        head = head + (f"\n{step}" if step else "")
         return head + ("\n\n" + self.table() if self.records else "")
 
     def to_markdown(self) -> str:
@@ -115,7 +139,18 @@ class GraphReport:
             parts += [f"## {index}. {r.rule}: {'applied' if r.applied else 'declined'}", "", f"- reason: {r.reason}"]
             parts += [f"- source: `{r.source}`", f"- nodes: {', '.join(r.nodes)}"]
             if r.saved_bytes is not None:
-                parts.append(f"- saved bytes: `{r.saved_bytes}` (= {r.saved_bytes_hint} at the hint, {r.proof})")
+                against = "against torch.compile" if r.against_compile is not None else "against the graph as written"
+                parts.append(
+                    f"- frees {against}: `{r.saved_bytes}` (= {r.saved_bytes_hint} at the hint, {r.proof})"
+                )
+            if r.against_compile is not None:
+                c = r.against_compile
+                parts.append(f"  - saved for the backward: `{c['saved']}`; transient: `{c['transient']}`")
+                parts.append(f"  - torch.compile keeps: {', '.join(c['torch.compile keeps']) or 'nothing'}")
+                parts.append(f"  - memopt keeps: {', '.join(c['memopt keeps']) or 'nothing'}")
+                parts.append(f"  - memopt's ops inside their kernels (backward): `{c[INTERNAL]}`")
+            if r.memory:
+                parts.append("- the graph as written (eager's accounting):")
             for side in ("before", "after"):
                 for name, value in (r.memory or {}).get(side, {}).items():
                     parts.append(f"  - {side}: {name}: `{value}`")

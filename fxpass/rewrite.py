@@ -15,11 +15,12 @@ from typing import Any
 import torch.fx as fx
 
 import lowerings  # noqa: F401  (registers torch.ops.memopt.*, which rewritten graphs call)
-from fxpass import checkpoint, shapes
+from fxpass import checkpoint, pricing, shapes
 from fxpass.config import Config
 from fxpass.graph import GraphFacts, canonicalize_operator_methods, source_location
-from fxpass.report import GraphReport, RewriteRecord, current_graph_id, graph_code
+from fxpass.report import GraphReport, RewriteRecord, current_graph_id, error_note, graph_code
 from fxpass.rules import RULES, Decision, Rule
+from fxpass.rules.base import decide_against_compile
 
 log = logging.getLogger(__name__)
 _WARNED: set[tuple[str, str]] = set()
@@ -66,7 +67,9 @@ def _run_rule(
     try:
         for candidate in rule.match(GraphFacts(gm, example_inputs)):
             decision = rule.decide(candidate, config)
-            if region is not None:
+            if region is None:
+                decision = _against_compile(rule, candidate, decision, config)
+            else:
                 decision = checkpoint.decide_in_region(rule.name, decision, region)
             records.append(_record(rule.name, candidate, decision, config, region))
             if decision.apply:
@@ -92,6 +95,28 @@ def undone(record: RewriteRecord, reason: str) -> RewriteRecord:
     return dataclasses.replace(record, applied=False, reason=reason)
 
 
+# Rules whose pieces are priced against torch.compile. WTA-CRS is not: what it frees is its input activation,
+# and whether torch.compile keeps that input depends on the nodes that produce it (a GELU's input is saved and
+# its output recomputed), which a piece of the graph cannot show; the whole step's figures are
+# ``fxpass.explain``'s.
+PRICED_RULES = ("cce", "attention")
+
+
+def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) -> Decision:
+    """``decision`` taken again on what the rewrite frees against torch.compile (``fxpass.pricing``), where it
+    was taken on a memory model (not declined outright) and pricing is on; the graph-as-written figure is kept
+    in the record. A piece that cannot be priced keeps the decision as it was, with why."""
+    if config.pricing != "compile" or rule.name not in PRICED_RULES or not decision.what:
+        return decision  # (``what`` is set where the decision was taken on the memory model alone)
+    try:
+        priced = pricing.price(rule, candidate, config, pricing.internal_bytes(decision.memory.after))
+    except Exception as error:  # a piece the partitioner cannot take: the rewrite itself is not at fault
+        log.debug("memopt could not price %s against torch.compile", rule.name, exc_info=True)
+        note = f"priced as the graph is written (against torch.compile: {error_note(error)})"
+        return dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
+    return decide_against_compile(decision, priced, config)
+
+
 def _record(
     rule: str, candidate, decision: Decision, config: Config, region: checkpoint.Region | None = None
 ) -> RewriteRecord:
@@ -101,25 +126,32 @@ def _record(
         params["checkpointed_region"] = region.name
     if config.assume_device is not None:  # the decision was taken for that device's implementation
         params["assume_device"] = config.assume_device
+    priced = decision.priced
+    if priced is not None:
+        saved_bytes = shapes.render(priced.peak)
+    else:
+        saved_bytes = shapes.render(memory.saved) if memory is not None else None
     return RewriteRecord(
         rule=rule,
         applied=decision.apply,
         reason=decision.reason,
         nodes=tuple(node.name for node in candidate.nodes),
         source=source_location(candidate.anchor),
-        saved_bytes=shapes.render(memory.saved) if memory is not None else None,
+        saved_bytes=saved_bytes,
         saved_bytes_hint=verdict.saved_hint if verdict is not None else None,
         proof=verdict.proof if verdict is not None else None,
         params=params,
         memory=memory.describe() if memory is not None else None,
+        against_compile=priced.describe() if priced is not None else None,
     )
 
 
-def copy_graph(graph: fx.Graph) -> fx.Graph:
-    """A copy to restore if a rule fails halfway (nodes and their meta; example values are shared)."""
+def copy_graph(graph: fx.Graph, val_map: dict[fx.Node, fx.Node] | None = None) -> fx.Graph:
+    """A copy to restore if a rule fails halfway, or to try a rewrite on (nodes and their meta; example values
+    are shared). ``val_map``, when given, is filled with each node's copy."""
     copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
     copy._codegen = graph._codegen
-    val_map: dict[fx.Node, fx.Node] = {}
+    val_map = {} if val_map is None else val_map
     value, output = copy.graph_copy(graph, val_map, return_output_node=True)
     copy.output(value, type_expr=output.type).meta = output.meta.copy()
     # Dynamo keeps each input's source as a node attribute, not in meta; AOTAutograd asserts it is there.

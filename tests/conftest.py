@@ -1,5 +1,5 @@
-"""Shared test setup: a clean Dynamo cache and report history per test, fixed seeds, and rules that raise
-instead of warning."""
+"""Shared test setup: a clean Dynamo cache and report history per test, fixed seeds, rules that raise instead of
+warning, and a check that fails the test that leaves process-wide state behind (``tests/leaks.py``)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,16 @@ import torch._dynamo
 
 os.environ.setdefault("MEMOPT_STRICT", "1")
 
+# What importing these does to process-wide state (fxpass adds transformers' ``warning_once`` to Dynamo's ignored
+# logging functions once transformers defines it) happens here, before the first test's snapshot.
+import transformers.utils.logging  # noqa: F401
+
+import fxpass
+from tests.leaks import no_leaked_state  # noqa: F401  (autouse)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    import fxpass
-
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     fxpass.clear_reports()

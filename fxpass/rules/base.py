@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch.fx as fx
 
+from fxpass import shapes
 from fxpass.config import Config
 from fxpass.graph import GraphFacts
 from fxpass.shapes import MemoryModel, Verdict, clears, format_bytes
@@ -38,9 +39,11 @@ class Candidate(Protocol):
 class Decision:
     apply: bool
     reason: str
-    memory: MemoryModel | None = None
+    memory: MemoryModel | None = None  # the graph as written (eager's accounting)
     verdict: Verdict | None = None
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # choices the rule made, for the record
+    what: str = ""  # what the rewrite does, the head of the reason
+    priced: Any = None  # fxpass.pricing.Priced: what it frees against torch.compile, when priced so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +57,32 @@ class Rule:
 def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision:
     """Apply iff the modelled saving clears ``config.min_saved_bytes``; say how that was established."""
     verdict = clears(memory.saved, config.min_saved_bytes)
+    return Decision(verdict.pays or config.force, _reason(verdict, config, what, ""), memory, verdict, what=what)
+
+
+def decide_against_compile(decision: Decision, priced, config: Config) -> Decision:
+    """``decision`` taken again on what the rewrite frees against torch.compile (``priced``: the drop of the
+    piece's peak, saved and transient parts named), the graph-as-written model kept for the record."""
+    verdict = clears(priced.peak, config.min_saved_bytes)
+    split = (
+        f" ({format_bytes(shapes.hint(priced.saved))} saved for the backward, "
+        f"{format_bytes(shapes.hint(priced.transient))} transient)"
+    )
+    reason = _reason(verdict, config, decision.what, " against torch.compile" + split)
+    return dataclasses.replace(decision, apply=verdict.pays or config.force, reason=reason, verdict=verdict,
+                               priced=priced)
+
+
+def _reason(verdict: Verdict, config: Config, what: str, against: str) -> str:
     how = "for every shape" if verdict.proof == "static" else "for the example shapes (size hints)"
+    saving = format_bytes(verdict.saved_hint)
     if verdict.pays:
-        reason = f"{what}; frees {format_bytes(verdict.saved_hint)} {how}"
+        reason = f"{what}; frees {saving}{against} {how}"
     elif config.force:
-        reason = f"{what}; forced (force=True) although the saving is {format_bytes(verdict.saved_hint)} {how}"
-        return Decision(True, reason + _assumption(config), memory, verdict)
+        reason = f"{what}; forced (force=True) although the saving is {saving}{against} {how}"
     else:
-        reason = (
-            f"saving {format_bytes(verdict.saved_hint)} is below min_saved_bytes={config.min_saved_bytes} {how}"
-        )
-    return Decision(verdict.pays, reason + _assumption(config), memory, verdict)
+        reason = f"saving {saving}{against} is below min_saved_bytes={config.min_saved_bytes} {how}"
+    return reason + _assumption(config)
 
 
 def _assumption(config: Config) -> str:

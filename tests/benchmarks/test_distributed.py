@@ -51,9 +51,18 @@ def test_largest_batch(limit, fits_below, expected):
 def test_cases_are_timed_in_turns_and_a_failing_case_leaves_them():
     """Three steps of three cases: a step of each in turn; the case that fails at its second step records its error
     and is not stepped again, while the others are still timed."""
+    import torch.distributed as dist
+
     from benchmarks.e2e import join_world_of_one
 
     join_world_of_one(torch.device("cpu"))
+    try:
+        _time_three_cases()
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_three_cases():
     taken = []
 
     def case(name: str, fails_at: int | None = None) -> distributed.Case:

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from examples import train_gpt
+from tests.leaks import loggers_restored
 
 # 8 × 256 = 2048 tokens over a vocabulary of 8192: fp32 logits of 64 MiB, enough for memopt's memory model to
 # approve the rewrite without force; one narrow layer keeps the two compiles and three steps well under a minute.
@@ -19,7 +20,8 @@ TINY = [
 
 @pytest.mark.slow
 def test_demo_rewrites_saves_memory_and_trains_the_same(capsys):
-    result = train_gpt.main(TINY)
+    with loggers_restored("train_gpt", "fxpass"):  # main sets them up as the script does
+        result = train_gpt.main(TINY)
     printed = capsys.readouterr().out
 
     # The model is compiled as it is: its forward returns (logits, loss), the step drops the logits.

@@ -47,7 +47,7 @@ class TestDefaults:
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
             "wta_crs_min_tokens", "wta_crs_winners", "wta_crs_sampling", "cce_filter_eps", "assume_device",
-            "cce_variant", "attention_kernel", "precompile",
+            "cce_variant", "attention_kernel", "precompile", "pricing",
         }
 
     def test_wta_crs_sampling(self):
@@ -121,6 +121,12 @@ class TestEnvironment:
         assert Config.from_options({}, env={"MEMOPT_PRECOMPILE": "0"}).precompile is False
         with pytest.raises(ConfigError, match="precompile"):
             Config.from_options({"precompile": "no"})
+
+    def test_pricing(self):
+        assert Config().pricing == "compile"
+        assert Config.from_options({}, env={"MEMOPT_PRICING": "Eager"}).pricing == "eager"
+        with pytest.raises(ConfigError, match="pricing must be one of"):
+            Config.from_options({"pricing": "inductor"})
 
     def test_wta_crs_budget(self):
         assert Config.from_options(env={"MEMOPT_WTA_CRS_BUDGET": "0.3"}).wta_crs_budget == 0.3

@@ -21,7 +21,8 @@ from fxpass.report import GraphReport, RewriteRecord, current_graph_id, publish,
 V, D = 40, 8
 EAGER = {"force": True, "inner_compiler": "eager"}
 RECORD_KEYS = {
-    "rule", "applied", "reason", "nodes", "source", "saved_bytes", "saved_bytes_hint", "proof", "params", "memory"
+    "rule", "applied", "reason", "nodes", "source", "saved_bytes", "saved_bytes_hint", "proof", "params", "memory",
+    "against_compile",
 }
 
 
@@ -73,7 +74,7 @@ class TestDebugDir:
 
         report = json.loads(files["report.json"])
         assert set(report) == {"schema", "graph", "torch", "rewrites"}
-        assert report["schema"] == fxpass.report.SCHEMA_VERSION == 1
+        assert report["schema"] == fxpass.report.SCHEMA_VERSION == 2
         assert report["graph"] == fxpass.reports()[-1].graph_id
         assert report["torch"] == torch.__version__
         [rewrite] = report["rewrites"]
@@ -95,7 +96,9 @@ class TestDebugDir:
         _run(step, debug_dir=tmp_path)
         markdown = _one_graph_folder(tmp_path)["report.md"]
         assert markdown.startswith(f"# memopt report: graph {fxpass.reports()[-1].graph_id}")
-        assert "| rule | applied | where | saves (hint) | proof | reason |" in markdown
+        assert "| rule | applied | where | frees vs torch.compile (hint) | proof | reason |" in markdown
+        assert "- frees against torch.compile: `" in markdown
+        assert "  - torch.compile keeps: " in markdown  # the logits, in the classifier's dtype
         assert f"| cce | yes | test_report.py:{_loss_line(step)} |" in markdown
         assert "## 0. cce: applied" in markdown
         diff = markdown.split("```diff\n", 1)[1].split("```", 1)[0]
@@ -362,12 +365,26 @@ class TestRenderings:
         markdown = GraphReport("0/0", [_record(True, 1536), _record(False, None)]).to_markdown()
         assert "## 0. cce: applied" in markdown
         assert "## 1. cce: declined" in markdown
-        assert "- saved bytes: `1536` (= 1536 at the hint, static)" in markdown
+        assert "- frees against the graph as written: `1536` (= 1536 at the hint, static)" in markdown
+        assert "- the graph as written (eager's accounting):" in markdown
         assert "  - before: logits: `2048`" in markdown
         assert "  - after: lse: `512`" in markdown
         assert '- params: `{"vocab": "40"}`' in markdown
         assert "- source: `/some/where/model.py:12`" in markdown
         assert "## graph diff" not in markdown  # no code kept
+
+    def test_markdown_against_compile(self):
+        against = {
+            "saved": "1024", "transient": "-8", "peak": "1016", "saved_hint": 1024, "transient_hint": -8,
+            "peak_hint": 1016, "torch.compile keeps": ["mm: [4, 64] bfloat16"], "memopt keeps": [],
+            fxpass.report.INTERNAL: "256",
+        }
+        markdown = GraphReport("0/0", [_record(True, 1016, against_compile=against)]).to_markdown()
+        assert "- frees against torch.compile: `1016` (= 1016 at the hint, static)" in markdown
+        assert "  - saved for the backward: `1024`; transient: `-8`" in markdown
+        assert "  - torch.compile keeps: mm: [4, 64] bfloat16" in markdown
+        assert "  - memopt keeps: nothing" in markdown
+        assert "  - memopt's ops inside their kernels (backward): `256`" in markdown
 
     def test_markdown_diff(self):
         markdown = GraphReport("0/0", [], before="x = 1\ny = f(x)\n", after="x = 1\ny = g(x)\n").to_markdown()

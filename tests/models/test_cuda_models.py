@@ -46,16 +46,25 @@ def test_model_on_cuda_emits_cce_kernel(build, variant):
         assert_close_scaled(actual, wanted, rel=1e-3, name=name)
 
 
+@pytest.fixture
+def no_tf32():
+    """fp32 matmuls without TF32, so fp32 results compare at fp32 tolerances. ``torch.backends.cuda.matmul`` is no
+    config module (no ``patch``): set, then restored."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.mark.parametrize("build", [_gpt2, _llama], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits_dropped", "second_loss_on_logits"])
 @pytest.mark.parametrize("variant", ["auto", "rowwise"])
-def test_whole_model_on_cuda(build, use_logits, variant, monkeypatch):
+def test_whole_model_on_cuda(build, use_logits, variant, no_tf32):
     """``torch.compile(model, backend="memopt")`` on CUDA: "auto" serves the returned logits with the detached
     ``cce_with_logits`` (Triton kernels), "rowwise" with the row-wise op (its chunk kernel reading them,
     Inductor checking the padded rows' strides); loss, logits and every gradient equal eager's (fp32), with the
     logits dropped or used by a second loss outside the graph."""
     model = build().cuda()
     ids, labels = (t.cuda() for t in _batch(masked_lm=False))
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     options = {"force": True, "cce_variant": variant}
     _check_whole_model(model, ids, labels, use_logits, options=options, rtol=1e-4, atol=1e-5)

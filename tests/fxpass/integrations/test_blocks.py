@@ -16,6 +16,14 @@ from fxpass.integrations.blocks import HeadLoss, compile_blocks, find_blocks
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def _dynamo_limit_restored():
+    """``compile_blocks`` raises Dynamo's recompile limit for the process (``allow_a_graph_per_block``), as a user
+    wants it; each test here has it put back."""
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit):
+        yield
+
 OPTIONS = {"inner_compiler": "aot_eager", "force": True, "strict": True}
 
 
@@ -91,11 +99,7 @@ def test_every_block_gets_its_graph_past_dynamo_recompile_limit():
         n_embd=32, n_layer=10, n_head=2, vocab_size=64, n_positions=32, attn_implementation="eager"
     )
     model = transformers.GPT2LMHeadModel(config)
-    limit = torch._dynamo.config.recompile_limit
-    try:
-        compile_blocks(model, options={"inner_compiler": "aot_eager", "force": True})
-        model(input_ids=torch.randint(0, 64, (1, 8)), use_cache=True)
-    finally:
-        torch._dynamo.config.recompile_limit = limit
+    compile_blocks(model, options={"inner_compiler": "aot_eager", "force": True})
+    model(input_ids=torch.randint(0, 64, (1, 8)), use_cache=True)
     attention = [r for report in fxpass.reports() for r in report.records if r.rule == "attention" and r.applied]
     assert len(attention) == 10

@@ -65,11 +65,11 @@ def test_metrics_record_built_without_the_ignored_functions_where_it_cannot_seri
         return json.dumps(sorted(torch._dynamo.config.ignore_logging_functions))
 
     monkeypatch.setattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", record_like_torch_2_11)
-    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", {print})
-    transformers_logging._keep_metrics_serializable()
-    shim = torch._dynamo.utils._get_dynamo_config_for_logging
-    assert shim is not record_like_torch_2_11
-    assert shim() == "[]"
-    assert torch._dynamo.config.ignore_logging_functions == {print}
-    transformers_logging._keep_metrics_serializable()  # installed once
-    assert torch._dynamo.utils._get_dynamo_config_for_logging is shim
+    with torch._dynamo.config.patch(ignore_logging_functions={print}):
+        transformers_logging._keep_metrics_serializable()
+        shim = torch._dynamo.utils._get_dynamo_config_for_logging
+        assert shim is not record_like_torch_2_11
+        assert shim() == "[]"
+        assert torch._dynamo.config.ignore_logging_functions == {print}
+        transformers_logging._keep_metrics_serializable()  # installed once
+        assert torch._dynamo.utils._get_dynamo_config_for_logging is shim

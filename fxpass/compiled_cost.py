@@ -1,0 +1,378 @@
+"""What torch.compile keeps for a piece of graph: the piece partitioned the way AOTAutograd and Inductor run it.
+
+A rewrite frees memory relative to torch.compile, not relative to eager: AOTAutograd's min-cut partitioner
+recomputes cheap pointwise work in the backward instead of saving it, and Inductor fuses the rest (the
+log-softmax of a cross-entropy never exists as a tensor; its logits are saved in their own 16-bit dtype).
+Pricing the graph as eager runs it overstated CCE's saving at Llama-3's head 8× (8.3 GiB claimed against
+1.0 GiB measured, `benchmarks/cce.py --tokens 8192 --vocab 128256 --dim 2048`). So the baseline is not a
+hand-kept list per pattern: the candidate's nodes are copied into a graph of their own and handed to the same
+partitioner, with the same decompositions Inductor uses, on fake tensors of symbolic sizes, and what the
+partitioned forward saves is summed; the rewritten piece goes through the same machinery, so its figure is what
+the custom op's autograd really saves, not what a comment says it does.
+
+The sizes stay symbolic: each distinct size expression of the inputs becomes a symbol of a private
+``ShapeEnv`` (so the partitioner's own guards never reach Dynamo's, and cause no recompile), and the results are
+mapped back to the graph's symbols.
+
+Three figures per piece (``CompiledCost``), in bytes beyond the piece's inputs:
+- ``saved``: tensors the compiled forward keeps for the backward (storages not shared with an input);
+- ``forward_peak``: the most alive at once inside the forward, outputs and saved tensors included;
+- ``backward_peak``: the most alive at once inside the backward, beyond what was saved and the incoming
+  gradients, the gradients it produces included.
+The peaks model Inductor's buffers: a node is a buffer only where Inductor cannot fuse it away (an extern kernel
+such as a GEMM or a custom op, a graph output or saved tensor, or the input of an extern kernel), and a freed
+buffer of the same dtype and size is reused, as Inductor's wrapper code does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxpass import shapes
+
+log = logging.getLogger(__name__)
+
+IntLike = shapes.IntLike
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledCost:
+    """Bytes a piece of graph holds under torch.compile, beyond its inputs (module docstring)."""
+
+    saved: IntLike
+    forward_peak: IntLike
+    backward_peak: IntLike
+    saved_tensors: tuple[str, ...] = ()  # "name: shape dtype", for the debug report
+    saved_inputs: frozenset[int] = frozenset()  # which of the piece's inputs the forward saves (views included)
+
+    @property
+    def peak(self) -> IntLike:
+        """The piece's own peak beyond its inputs, forward or backward."""
+        return torch.sym_max(self.forward_peak, self.backward_peak)
+
+    def hints(self) -> dict[str, int]:
+        return {name: shapes.hint(getattr(self, name)) for name in ("saved", "forward_peak", "backward_peak")}
+
+
+def extract(nodes: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """``nodes`` (in graph order) copied into a graph of their own that returns ``outputs``; the nodes they read
+    from outside become its placeholders, returned in order, so their example values can be fed to it."""
+    inside = set(nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def arg(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node in inside:
+                raise ValueError(f"{node.name} is read before it is copied: nodes are not in graph order")
+            env[node] = graph.placeholder(f"input_{len(inputs)}")
+            env[node].meta = dict(node.meta)
+            inputs.append(node)
+        return env[node]
+
+    owner = nodes[0].graph.owning_module
+    module = fx.GraphModule(owner if owner is not None else torch.nn.Module(), graph)
+    for index, node in enumerate(nodes):
+        env[node] = graph.node_copy(node, arg)
+        env[node]._rename(f"n{index}")  # the same piece in every layer reads as the same code (a cache key)
+    graph.output(tuple(env[node] for node in outputs))
+    module.recompile()
+    return module, inputs
+
+
+def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> CompiledCost:
+    """``module`` (returning a tuple) partitioned as torch.compile would, on inputs shaped like
+    ``example_inputs`` (fake tensors with the graph's symbolic sizes, or real ones); its figures in the
+    symbols of ``example_inputs``."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
+    back: dict[sympy.Symbol, sympy.Expr] = {}
+    fresh = [_refake(value, mode, env, back) for value in example_inputs]
+    graphs: dict[str, fx.GraphModule] = {}
+    graph_env = _graph_env(example_inputs)
+
+    def partition(joint, joint_inputs, **kwargs):
+        # kept here: the backward compiler runs only at the first backward call
+        graphs["forward"], graphs["backward"] = _inductor_partition()(joint, joint_inputs, **kwargs)
+        return graphs["forward"], graphs["backward"]
+
+    def forward_only(gm: fx.GraphModule, _inputs):
+        graphs.setdefault("forward", gm)
+        return gm
+
+    outputs = len(module.graph.find_nodes(op="output")[0].args[0])
+    with torch._guards.tracing(None), mode:
+        aot_module_simplified(
+            module, fresh, fw_compiler=forward_only, partition_fn=partition, decompositions=select_decomp_table(),
+        )
+    if "backward" not in graphs:  # nothing needs a gradient: nothing is saved
+        peak = _peak(graphs["forward"], set(), outputs_from=0)
+        return CompiledCost(0, _to_graph(peak, back, graph_env), 0)
+    forward, backward = graphs["forward"], graphs["backward"]
+    saved_nodes = _saved_nodes(forward, backward)
+    primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]
+    inputs = {storage for storage in primals if storage is not None}
+    saved = _sum_storages([n for n in saved_nodes if _storage(n) not in inputs])
+    described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)
+    saved_inputs = frozenset(primals.index(_storage(n)) for n in saved_nodes if _storage(n) in inputs)
+    forward_peak = _peak(forward, inputs, outputs_from=outputs)
+    # In the backward the saved activations and incoming gradients are alive from its start and die at their last
+    # use (Inductor reuses a donated saved buffer); the forward's inputs are not counted.
+    of_inputs = {n.name for n in saved_nodes if _storage(n) in inputs}  # the inputs, or views of them, saved
+    held = {_storage(n) for n in backward.graph.find_nodes(op="placeholder") if n.name in of_inputs}
+    backward_peak = _peak(backward, held, outputs_from=0, live_from_start=True)
+    return CompiledCost(
+        _to_graph(saved, back, graph_env), _to_graph(forward_peak, back, graph_env),
+        _to_graph(backward_peak, back, graph_env), described, saved_inputs,
+    )
+
+
+def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule) -> dict[str, Any]:
+    """A whole captured graph priced as torch.compile runs it, as Dynamo captured it and as memopt rewrote it:
+    ``{"torch.compile": CompiledCost, "memopt": CompiledCost}``, or ``{"error": why}`` where the partitioner
+    cannot take it. Placeholders are fed their example values. memopt's ops' own kernel buffers are not in
+    these figures (the records' ``against_compile`` has them per rewrite)."""
+    costs: dict[str, Any] = {}
+    try:
+        for name, gm in (("torch.compile", original), ("memopt", rewritten)):
+            values = [_placeholder_value(n) for n in gm.graph.find_nodes(op="placeholder")]
+            costs[name] = compiled_cost(gm, values)
+    except Exception as error:  # a graph the partitioner cannot take; the compile itself goes on
+        log.debug("memopt could not price a whole graph", exc_info=True)
+        from fxpass.report import error_note
+
+        return {"error": error_note(error)}
+    return costs
+
+
+def _placeholder_value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _inductor_partition():
+    """Inductor's own partition function: its joint-graph passes (which, among others, replace a softmax
+    attention written out by SDPA: torch.compile then saves its output and log-sum-exp, not the T×T
+    probabilities), then the min-cut partitioner."""
+    from torch._inductor import compile_fx
+
+    inductor = getattr(compile_fx, "partition_fn", None)
+    if inductor is not None:
+        return inductor
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def passes_then_min_cut(joint, joint_inputs, **kwargs):
+        joint = compile_fx._recursive_joint_graph_passes(joint) or joint
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kwargs)
+
+    return passes_then_min_cut
+
+
+def _refake(value, mode: FakeTensorMode, env: ShapeEnv, back: dict[sympy.Symbol, sympy.Expr]):
+    """A fake tensor of ``value``'s dtype, device and requires_grad in ``mode``, contiguous, each symbolic size
+    a symbol of ``env`` (one per distinct expression, with its hint); ``back`` maps the new symbols to the old
+    expressions."""
+    if isinstance(value, torch.SymInt):
+        return _resize(value, env, back)
+    if not isinstance(value, torch.Tensor):
+        return value
+    sizes = [_resize(size, env, back) for size in value.shape]
+    with mode:
+        fake = torch.empty(sizes, dtype=value.dtype, device=value.device)
+    if value.requires_grad:
+        fake.requires_grad_(True)
+    return fake
+
+
+def _resize(size, env: ShapeEnv, back: dict[sympy.Symbol, sympy.Expr]):
+    """``size`` in the private ``env``: an int where constant, else the SymInt of one symbol per distinct
+    expression (with its hint)."""
+    constant = shapes.constant(size)
+    if constant is not None:
+        return constant
+    expr = shapes.expr(size)
+    symbol = next((s for s, e in back.items() if e == expr), None)
+    if symbol is None:
+        source = ConstantSource(f"memopt_size_{len(back)}")
+        symbol = env.create_symbol(shapes.hint(size), source, dynamic_dim=DimDynamic.DYNAMIC)
+        back[symbol] = expr
+    return env.create_symintnode(symbol, hint=shapes.hint(size))
+
+
+def _to_graph(value: IntLike, back: dict[sympy.Symbol, sympy.Expr], graph_env: ShapeEnv | None) -> IntLike:
+    """A figure in the private symbols as the graph's: an int where constant, else a SymInt of the graph's
+    ``ShapeEnv`` (made from the expression, so no guard) with the same hint."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    expr = shapes.expr(value).xreplace(back)
+    if expr.is_number or graph_env is None:
+        return shapes.hint(value) if not expr.is_number else int(expr)
+    return graph_env.create_symintnode(expr, hint=shapes.hint(value))
+
+
+def _graph_env(example_inputs: Sequence) -> ShapeEnv | None:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
+
+
+def _saved_nodes(forward: fx.GraphModule, backward: fx.GraphModule) -> list[fx.Node]:
+    """The forward's outputs the backward reads: the saved tensors (the backward's placeholders, less the
+    tangents, are named after them)."""
+    wanted = {n.name for n in backward.graph.find_nodes(op="placeholder") if not n.name.startswith("tangents")}
+    results = forward.graph.find_nodes(op="output")[0].args[0]
+    return [n for n in results if isinstance(n, fx.Node) and n.name in wanted and _is_tensor(n)]
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _storage(node: fx.Node) -> StorageWeakRef | None:
+    value = node.meta.get("val")
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def _storage_bytes(node: fx.Node) -> IntLike:
+    value = node.meta["val"]
+    return shapes.nbytes(value) if _is_dense(value) else value.untyped_storage().nbytes()
+
+
+def _is_dense(value: torch.Tensor) -> bool:
+    return value.storage_offset() == 0 and value.is_contiguous()
+
+
+def _sum_storages(nodes: Sequence[fx.Node]) -> IntLike:
+    total: IntLike = 0
+    seen = set()
+    for node in nodes:
+        storage = _storage(node)
+        if storage in seen:
+            continue
+        seen.add(storage)
+        total = total + _storage_bytes(node)
+    return total
+
+
+def _describe(node: fx.Node) -> str:
+    value = node.meta["val"]
+    dims = ", ".join(shapes.render(s) for s in value.shape)
+    return f"{node.name}: [{dims}] {str(value.dtype).removeprefix('torch.')}"
+
+
+# Ops Inductor runs as kernels of their own rather than fusing: their inputs and outputs are buffers.
+_EXTERN_PACKETS = {
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward", "_efficient_attention_forward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_flash_attention_backward", "_efficient_attention_backward", "sort", "topk", "cumsum", "index_put",
+    "scatter_add", "embedding_dense_backward",
+}
+_VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "squeeze", "unsqueeze",
+          "slice", "select", "alias", "as_strided", "split", "split_with_sizes", "unbind", "view_as", "detach"}
+
+
+def _packet(node: fx.Node) -> str | None:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target.overloadpacket.__name__
+
+
+def _is_extern(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims"):
+        return True  # custom ops (memopt's among them) run as they are
+    return _packet(node) in _EXTERN_PACKETS
+
+
+def _is_view(node: fx.Node) -> bool:
+    return _packet(node) in _VIEWS
+
+
+def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
+    """The nodes Inductor materializes: extern kernels' results and inputs (through views), the graph's outputs
+    from index ``outputs_from`` on (saved tensors in a forward, gradients in a backward) and what they view."""
+    materialized: set[fx.Node] = set()
+
+    def base(node: fx.Node) -> fx.Node:
+        while _is_view(node) and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+        return node
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not _is_tensor(node):
+            continue
+        if _is_extern(node):
+            materialized.add(node)
+            materialized.update(base(a) for a in node.all_input_nodes if _is_tensor(a))
+    results = gm.graph.find_nodes(op="output")[0].args[0]
+    materialized.update(base(n) for n in results[outputs_from:] if isinstance(n, fx.Node) and _is_tensor(n))
+    return {n for n in materialized if n.op == "call_function" and not _is_view(n)}
+
+
+def _peak(gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False) -> IntLike:
+    """The most bytes alive at once in ``gm``'s buffers (``_buffers``), storages in ``held`` (its inputs) not
+    counted. A fused kernel runs where its result is materialized and reads every buffer behind the fused nodes
+    it consists of, so a buffer lives until the last such kernel; a fused kernel whose input buffer dies there
+    and has its dtype and size writes in place, as Inductor's in-place buffer reuse does. Sizes are compared
+    on their hints; the figure at the highest point is returned as an expression."""
+    buffers = _buffers(gm, outputs_from)
+    if live_from_start:
+        buffers |= {n for n in gm.graph.find_nodes(op="placeholder") if _is_tensor(n)}
+    nodes = list(gm.graph.nodes)
+    reads: dict[fx.Node, set[fx.Node]] = {}  # the buffers a node's value is computed from, through fused nodes
+    last_use: dict[fx.Node, int] = {}
+    for index, node in enumerate(nodes):
+        behind = set()
+        for arg in node.all_input_nodes:
+            behind |= {_root(arg)} if _root(arg) in buffers else reads.get(arg, set())
+        reads[node] = behind
+        if node in buffers or node.op == "output":
+            for buffer in behind:
+                last_use[buffer] = index
+    kept = {_root(n) for n in gm.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)}
+    live: dict[fx.Node, IntLike] = {}
+    best: IntLike = 0
+    for index, node in enumerate(nodes):
+        if node in buffers and _storage(node) not in held:
+            size = _storage_bytes(node)
+            donor = None if _is_extern(node) else next(
+                (b for b in reads[node] if b in live and last_use.get(b) == index and b not in kept
+                 and b.meta["val"].dtype == node.meta["val"].dtype and shapes.expr(live[b]) == shapes.expr(size)),
+                None,
+            )
+            live[node] = live.pop(donor) if donor is not None else size
+        current: IntLike = sum(live.values())
+        if shapes.hint(current) > shapes.hint(best):
+            best = current
+        for dead in [b for b in live if last_use.get(b, index) <= index and b not in kept]:
+            del live[dead]
+    return best
+
+
+def _root(node: fx.Node) -> fx.Node:
+    while _is_view(node) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node

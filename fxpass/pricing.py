@@ -1,0 +1,135 @@
+"""What a rewrite frees against torch.compile: the nodes it replaces and the nodes it inserts, each priced by
+``compiled_cost`` (partitioned as AOTAutograd and Inductor run them).
+
+The rewrite is tried on a copy of the graph, so the priced pieces are exactly what ``apply`` removes and what
+it adds, for every rule and variant, with no list per pattern to keep in step with the rules. The inserted
+pieces call memopt's ops, whose autograd the partitioner traces like any other: what they save is read from
+the trace. What an op allocates inside its own kernels (a chunk of logits, an fp32 accumulator) is invisible to
+the partitioner; the op's memory model says it (its ``transient`` terms) and it is added to the backward.
+
+Pieces repeat across a model (one attention per layer), so costs are cached by the piece's code and its inputs'
+sizes and dtypes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxpass import shapes
+from fxpass.compiled_cost import CompiledCost, compiled_cost, extract
+from fxpass.config import Config
+from fxpass.graph import example_value
+from fxpass.report import INTERNAL
+
+log = logging.getLogger(__name__)
+
+IntLike = shapes.IntLike
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """Bytes a rewrite frees against torch.compile, and the two pieces' costs behind them.
+
+    ``saved``: what the compiled forward no longer keeps for the backward (alive across the step's peak).
+    ``peak``: how much lower the piece's own peak is, forward or backward, the ops' internal buffers included:
+    what the step's peak drops by where the piece runs at it (a language model's head, at the start of the
+    backward). ``transient`` is the part of ``peak`` that is not ``saved``.
+    """
+
+    saved: IntLike
+    peak: IntLike
+    before: CompiledCost
+    after: CompiledCost
+    internal: IntLike
+
+    @property
+    def transient(self) -> IntLike:
+        return self.peak - self.saved
+
+    def describe(self) -> dict[str, Any]:
+        """The figures as the report prints them: expressions, their hints, and the saved tensors."""
+        figures = {"saved": self.saved, "transient": self.transient, "peak": self.peak}
+        return {
+            **{name: shapes.render(value) for name, value in figures.items()},
+            **{f"{name}_hint": shapes.hint(value) for name, value in figures.items()},
+            "torch.compile keeps": list(self.before.saved_tensors),
+            "memopt keeps": list(self.after.saved_tensors),
+            INTERNAL: shapes.render(self.internal),
+        }
+
+
+_CACHE: dict[tuple, CompiledCost] = {}
+
+
+def price(rule, candidate, config: Config, internal: IntLike = 0) -> Priced:
+    """Try ``rule``'s rewrite of ``candidate`` on a copy of its graph and price both sides (module docstring).
+    ``internal``: bytes the inserted ops allocate inside their kernels in the backward (their memory model's
+    transient terms)."""
+    from fxpass.rewrite import copy_graph
+
+    graph = candidate.anchor.graph
+    owner = graph.owning_module
+    copies: dict[fx.Node, fx.Node] = {}
+    trial_graph = copy_graph(graph, copies)
+    trial = fx.GraphModule(owner, trial_graph)
+    kept = set(copies.values())
+    rule.apply(trial, _remap(candidate, copies), config)
+    replaced = [old for old, new in copies.items() if new._erased and old.op.startswith("call_")]
+    added = [n for n in trial.graph.nodes if n not in kept and n.op != "output"]
+    before = _cost(replaced)
+    after = _cost(added)
+    after = dataclasses.replace(after, backward_peak=after.backward_peak + internal)
+    return Priced(before.saved - after.saved, before.peak - after.peak, before, after, internal)
+
+
+def internal_bytes(terms: Mapping[str, IntLike]) -> IntLike:
+    """The transient terms of an op's memory model: what it allocates inside its kernels."""
+    total: IntLike = 0
+    for label, value in terms.items():
+        if label.startswith("transient"):
+            total = total + value
+    return total
+
+
+def _cost(nodes: list[fx.Node]) -> CompiledCost:
+    """The compiled cost of ``nodes`` (one graph's, in its order), returning those read by other nodes."""
+    if not nodes:
+        return CompiledCost(0, 0, 0)
+    inside = set(nodes)
+    outputs = [n for n in nodes if any(user not in inside for user in n.users)]
+    piece, inputs = extract(nodes, outputs)
+    values = [example_value(n) for n in inputs]
+    key = (piece.code, tuple(_signature(v) for v in values))
+    if key not in _CACHE:
+        _CACHE[key] = compiled_cost(piece, values)
+    return _CACHE[key]
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return (tuple(str(shapes.expr(s)) for s in value.shape), value.dtype, value.device.type, value.requires_grad)
+    if isinstance(value, torch.SymInt):
+        return ("symint", str(shapes.expr(value)))
+    return ("value", repr(value))
+
+
+def _remap(value: Any, copies: dict[fx.Node, fx.Node]) -> Any:
+    """``value`` (a candidate: dataclasses, tuples, lists, dicts of nodes) with every node replaced by its copy."""
+    if isinstance(value, fx.Node):
+        return copies.get(value, value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _remap(getattr(value, f.name), copies) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_remap(v, copies) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_remap(v, copies) for v in value)
+    if isinstance(value, dict):
+        return {_remap(k, copies): _remap(v, copies) for k, v in value.items()}
+    return value

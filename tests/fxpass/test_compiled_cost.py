@@ -1,0 +1,108 @@
+"""``fxpass.compiled_cost``: what the partitioner keeps for a piece of graph, predicted on fake tensors of symbolic
+sizes, equals what the compiled piece really saves (every saved tensor's storage counted by a pack hook) on CPU;
+and no guard reaches the graph's own shape environment."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from torch import fx
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from fxpass import compiled_cost, shapes
+
+
+def _cross_entropy(hidden, weight, targets):
+    return (F.cross_entropy(F.linear(hidden, weight).float(), targets),)
+
+
+def _mlp(x, w1, w2):
+    return (F.linear(F.gelu(F.linear(x, w1)), w2).sum(),)
+
+
+def _attention(q, k, v):
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return ((scores.softmax(-1) @ v).sum(),)
+
+
+def _symbolic(env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
+    return env.create_symintnode(env.create_symbol(hint, ConstantSource(name)), hint=hint)
+
+
+def measured_saved_bytes(fn, *args, backend="inductor", kept=()) -> int:
+    """Bytes of the storages a compiled ``fn(*args)`` saves for its backward; its arguments' own and those of
+    the tensors in ``kept`` (parameters) left out. Fake tensors the compiler saves while tracing are no step's."""
+    inputs = {a.untyped_storage().data_ptr() for a in (*args, *kept) if isinstance(a, torch.Tensor)}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if is_fake(tensor):
+            return tensor
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in inputs:
+            storages[pointer] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        torch.compile(fn, backend=backend)(*args)
+    return sum(storages.values())
+
+
+CASES = {
+    "cross_entropy_fp32": (_cross_entropy, lambda: (
+        torch.randn(48, 32, requires_grad=True), torch.randn(300, 32, requires_grad=True), torch.randint(0, 300, (48,)),
+    )),
+    "cross_entropy_bf16": (_cross_entropy, lambda: (
+        torch.randn(48, 32, dtype=torch.bfloat16, requires_grad=True),
+        torch.randn(300, 32, dtype=torch.bfloat16, requires_grad=True), torch.randint(0, 300, (48,)),
+    )),
+    "mlp": (_mlp, lambda: (
+        torch.randn(40, 16, requires_grad=True), torch.randn(64, 16, requires_grad=True),
+        torch.randn(16, 64, requires_grad=True),
+    )),
+    "attention": (_attention, lambda: tuple(torch.randn(2, 3, 24, 8, requires_grad=True) for _ in range(3))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_predicted_saved_bytes_equal_measured_inductor(case):
+    fn, make = CASES[case]
+    args = make()
+    predicted = compiled_cost.compiled_cost(fx.symbolic_trace(fn), args)
+    assert predicted.saved == measured_saved_bytes(fn, *args), predicted.saved_tensors
+
+
+def test_cross_entropy_saves_its_logits_in_their_dtype_not_log_probabilities():
+    """torch.compile keeps the 16-bit logits and two numbers a row, where eager keeps fp32 log-probabilities:
+    the baseline a CCE rewrite is priced against."""
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        rows = _symbolic(env, "rows", 8192)
+        hidden = torch.empty(rows, 2048, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.empty(128256, 2048, dtype=torch.bfloat16, requires_grad=True)
+        targets = torch.empty(rows, dtype=torch.long)
+    guards = len(env.guards)
+    cost = compiled_cost.compiled_cost(fx.symbolic_trace(_cross_entropy), [hidden, weight, targets])
+    n = shapes.expr(rows)
+    logits = n * 128256 * 2
+    beyond_logits = sympy.expand(shapes.expr(cost.saved) - logits)
+    assert beyond_logits.free_symbols <= {n} and shapes.hint(cost.saved) - 8192 * 128256 * 2 <= 64 * 8192
+    assert shapes.hint(cost.saved) < 8192 * 128256 * 4  # not fp32 log-probabilities
+    # the backward: the logits' gradient in place of the logits, then the weight's gradient beside it
+    assert shapes.hint(cost.backward_peak) >= 8192 * 128256 * 2 + 128256 * 2048 * 2
+    assert len(env.guards) == guards  # the partitioner's guards stay in its private shape environment
+
+
+def test_extract_copies_nodes_and_makes_outside_reads_inputs():
+    traced = fx.symbolic_trace(_mlp)
+    nodes = [n for n in traced.graph.nodes if n.op == "call_function"]
+    first_linear, gelu = nodes[0], nodes[1]
+    piece, inputs = compiled_cost.extract([gelu], [gelu])
+    assert inputs == [first_linear]
+    assert [n.op for n in piece.graph.nodes] == ["placeholder", "call_function", "output"]
+    with pytest.raises(ValueError, match="graph order"):
+        compiled_cost.extract([nodes[2], nodes[1]], [nodes[2]])
