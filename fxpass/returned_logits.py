@@ -13,6 +13,10 @@ them, or extra outputs too).
 backward, ``∂h = g·C``, ``∂C = gᵀ·h``, ``∂b = Σ g`` (the linear's own backward), and those gradients flow into
 the compiled graph's backward and the parameters as usual. When the caller drops the logits, the node is never
 reached, and the backward costs nothing beyond the loss's own gradient.
+
+Logits the model returns after a transform (Gemma 2's final softcap, Cohere's and Granite's logit scale) are
+z = c·tanh(x·m/c) of the classifier's x; their gradient first goes back through it (``Transform``), from the
+returned logits themselves: ∂z/∂x = m·(1 − (z/c)²).
 """
 
 from __future__ import annotations
@@ -59,13 +63,38 @@ class Operand:
 
 
 @dataclasses.dataclass(frozen=True)
+class Transform:
+    """Returned logits z = c·tanh(x·m/c) of the classifier's outputs x (x·m without a softcap c)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def input_gradient(self, grad: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        """∂/∂x from ``grad`` = ∂/∂z, in the compute dtype: times m·(1 − (z/c)²), with z the returned ``logits``
+        (tanh(x·m/c) = z/c, so the slope needs no second tensor)."""
+        if self.identity:
+            return grad
+        wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
+        grad = grad.to(wide)
+        if self.softcap is not None:
+            grad = grad * (1.0 - (logits.to(wide) / self.softcap).square())
+        return grad * self.scale if self.scale != 1.0 else grad
+
+
+@dataclasses.dataclass(frozen=True)
 class ReturnedLogits:
-    """Graph outputs ``positions`` hold logits of the classifier ``hidden`` [N, D] · ``weight`` [V, D]ᵀ (+ ``bias``)."""
+    """Graph outputs ``positions`` hold logits of the classifier ``hidden`` [N, D] · ``weight`` [V, D]ᵀ (+ ``bias``),
+    transformed by ``transform``."""
 
     positions: tuple[int, ...]
     hidden: Operand
     weight: Operand
     bias: Operand | None
+    transform: Transform = Transform()
 
 
 def returned_logits(graph: fx.Graph) -> list[ReturnedLogits]:
@@ -107,20 +136,23 @@ AS_IS = Operand("output", -1)  # an operand the op saw as it is
 
 
 class LogitsGradient(torch.autograd.Function):
-    """``logits`` as they are, made differentiable in ``hidden``, ``weight`` and ``bias`` as ``F.linear`` of the
-    operands as the op saw them is (``weight_seen.as_seen(weight)``, likewise the bias)."""
+    """``logits`` as they are, made differentiable in ``hidden``, ``weight`` and ``bias`` as ``transform`` of
+    ``F.linear`` of the operands as the op saw them is (``weight_seen.as_seen(weight)``, likewise the bias)."""
 
     @staticmethod
-    def forward(ctx, logits, hidden, weight, bias, weight_seen=AS_IS, bias_seen=AS_IS):
-        ctx.save_for_backward(hidden, weight, bias)
+    def forward(ctx, logits, hidden, weight, bias, weight_seen=AS_IS, bias_seen=AS_IS, transform=Transform()):
+        # a softcap's slope is read off the returned logits, which exist as long as the caller keeps them
+        ctx.save_for_backward(hidden, weight, bias, logits if transform.softcap is not None else None)
         ctx.seen = (weight_seen, bias_seen)
+        ctx.transform = transform
         return logits.view_as(logits)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias = ctx.saved_tensors
+        hidden, weight, bias, logits = ctx.saved_tensors
         weight_seen, bias_seen = ctx.seen
         classifier = weight_seen.as_seen(weight)
+        grad = ctx.transform.input_gradient(grad, logits)
         rows = grad.reshape(-1, grad.shape[-1]).to(classifier.dtype)
         grad_hidden = grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
@@ -129,7 +161,7 @@ class LogitsGradient(torch.autograd.Function):
             grad_weight = weight_seen.gradient_of(rows.t() @ hidden.reshape(-1, hidden.shape[-1]), weight)
         if bias is not None and ctx.needs_input_grad[3]:
             grad_bias = bias_seen.gradient_of(rows.sum(0), bias)
-        return None, grad_hidden, grad_weight, grad_bias, None, None
+        return None, grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def attach(compiled: Callable, entries: Sequence[ReturnedLogits], extra_outputs: int) -> Callable:
@@ -148,7 +180,7 @@ def attach(compiled: Callable, entries: Sequence[ReturnedLogits], extra_outputs:
                 bias_seen = entry.bias if entry.bias is not None else AS_IS
                 for position in entry.positions:
                     outputs[position] = LogitsGradient.apply(
-                        outputs[position], hidden, weight, bias, entry.weight, bias_seen
+                        outputs[position], hidden, weight, bias, entry.weight, bias_seen, entry.transform
                     )
         return outputs[: len(outputs) - extra_outputs]
 

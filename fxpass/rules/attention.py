@@ -1,28 +1,32 @@
 """Attention subgraphs become one fused attention (``memopt.flash_attention``, or cuDNN's on CUDA; below): no
 B·H·Tq·Tk scores or probabilities are kept.
 
-The pattern is found from ``softmax(dim=-1)`` outwards: before it, an optional mask, an optional scale and
-``q @ kᵀ`` (matmul, bmm or einsum); after it, an optional cast and dropout, then ``@ v``. Forms covered:
-nanoGPT (a registered ``tril`` buffer with ``masked_fill(-inf)``), HF transformers' eager attention
-(Llama/Mistral/Qwen2 with ``repeat_kv`` grouped-query heads and the masking utilities' additive mask, GPT-2,
-BERT's additive padding mask), scaling by multiplication or division (or none, as in T5),
-``torch.where(mask, scores, finfo.min)`` and softmax with a float32 upcast.
+The pattern is found from ``softmax(dim=-1)`` outwards: before it, optional masks, an optional softcap
+``tanh(s / c) * c``, an optional scale and ``q @ kᵀ`` (matmul, bmm or einsum), in that order (a mask applied before
+the scale or the cap would be scaled or capped with the scores: declined with the reason); after it, an optional
+cast and dropout, then ``@ v``. Forms covered: nanoGPT (a registered ``tril`` buffer with ``masked_fill(-inf)``),
+HF transformers' eager attention (Llama/Mistral/Qwen2/Gemma with ``repeat_kv`` grouped-query heads and the masking
+utilities' additive mask, Gemma 2's ``attn_logit_softcapping``, GPT-2, BERT's additive padding mask), scaling by
+multiplication or division (or none, as in T5), ``torch.where(mask, scores, finfo.min)`` and softmax with a
+float32 upcast.
 
-Masks are proved from their construction (``fxpass.masks``): a causal mask becomes a flag, and a mask built from
+Masks are proved from their construction (``fxpass.masks``): a causal mask becomes a flag, a causal sliding window
+(transformers' ``sliding_window``: Mistral, Qwen2, Gemma 2/3) the op's ``window`` argument, and a mask built from
 a [B, T] ``attention_mask`` (transformers' masking utilities: causal ∧ key padding, left or right) becomes the
 flag plus a [B, 1, 1, Tk] additive key bias, so no T×T tensor is materialized at all. Query rows that see no
-key (left padding) get what the replaced code computed (``EMPTY_*``). Any other mask (a sliding window narrower
-than the sequence, a union) is passed as an additive bias with the reason recorded, learned ones (T5) included:
-the op returns their gradient.
+key (left padding, or right padding past a window) get what the replaced code computed (``EMPTY_*``). Any other
+mask (a union) is passed as an additive bias with the reason recorded, learned ones (T5) included: the op returns
+their gradient.
 ``F.scaled_dot_product_attention`` calls are already O(T) in memory and are left alone, with the reason
 recorded, unless they are handed a materialized mask whose structure is proved: a causal one becomes
-``is_causal=True``, a padding one a [B, 1, 1, Tk] mask, and causal ∧ padding ``memopt.flash_attention``.
+``is_causal=True``, a padding one a [B, 1, 1, Tk] mask, and causal ∧ padding or a sliding window
+``memopt.flash_attention``.
 
 On CUDA the rewritten attention runs cuDNN's fused kernel wherever it serves the case (fp16/bf16, head dim a
-multiple of 8 up to 128, no mask beyond causal ∧ key padding; ``choose_kernel``): it takes a causal flag and a
-[B, 1, 1, Tk] key bias together, which the public SDPA refuses, and it was faster than memopt's Triton kernel in
-every such case measured. Everything else (learned or arbitrary biases, fp32, other head dims, CPU) runs
-``memopt.flash_attention``.
+multiple of 8 up to 128, no mask beyond causal ∧ key padding, no softcap or window; ``choose_kernel``): it takes
+a causal flag and a [B, 1, 1, Tk] key bias together, which the public SDPA refuses, and it was faster than
+memopt's Triton kernel in every such case measured. Everything else (learned or arbitrary biases, softcaps,
+sliding windows, fp32, other head dims, CPU) runs ``memopt.flash_attention``.
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ class AttentionMatch:
     v: fx.Node | None = None
     scale: float = 1.0
     causal: bool = False
+    softcap: float | None = None  # c of c·tanh(scores/c), applied before the biases and masks (Gemma 2)
+    window: int | None = None  # a causal sliding window: key j seen by query i iff i − w < j ≤ i
     biases: tuple[fx.Node, ...] = ()  # additive terms, each broadcastable to [B, H, Tq, Tk]
     # A boolean mask to turn into an additive bias: (mask, fill, True if the fill applies where the mask is True)
     bias_from_mask: tuple[fx.Node, float, bool] | None = None
@@ -115,6 +121,10 @@ class AttentionMatch:
 
     def params(self) -> Mapping[str, Any]:
         params: dict[str, Any] = {"causal": self.causal, "mask": self._mask_kind(), "dropout_p": self.dropout_p}
+        if self.window is not None:
+            params["window"] = self.window
+        if self.softcap is not None:
+            params["softcap"] = self.softcap
         if self.key_masks or self.bias_rows:
             params["empty_rows"] = self.empty_rows
         if self.mask_note:
@@ -137,7 +147,8 @@ class AttentionMatch:
 
     def _mask_kind(self) -> str:
         if self.causal:
-            return "causal (flag)" + (" + key padding" if self.key_masks else "")
+            window = f" + sliding window of {self.window} keys" if self.window is not None else ""
+            return "causal (flag)" + window + (" + key padding" if self.key_masks else "")
         if self.key_masks:
             return "key padding"
         if self.biases or self.bias_from_mask is not None:
@@ -187,7 +198,9 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
     mask (and its construction) is replaced by O(B·T) facts. A causal mask becomes ``is_causal=True`` and a
     padding mask a [B, 1, 1, Tk] one, both kept in SDPA (its flash/cuDNN kernels are the fastest for them);
     causal ∧ padding, which SDPA cannot take without a T×T mask, becomes a fused attention with the causal flag
-    and a key bias (``choose_kernel``: cuDNN's on CUDA where it serves, else ``memopt.flash_attention``)."""
+    and a key bias (``choose_kernel``: cuDNN's on CUDA where it serves, else ``memopt.flash_attention``). A
+    causal sliding window (with or without padding), which no SDPA argument expresses, becomes
+    ``memopt.flash_attention`` with its ``window``."""
     bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
     mask = bound.get("attn_mask") if bound else None
     if bound is None or not isinstance(mask, fx.Node) or bound["is_causal"] is not False:
@@ -212,14 +225,14 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
         scale=(float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5) if constants else unknown,
         key_masks=structure.keys, empty_rows=empty_rows, sdpa_fill=fill,
     )
-    if not structure.keys:
+    if structure.window is None and not structure.keys:
         fields["sdpa_mask"] = "is_causal" if structure.causal else "none"
-    elif not structure.causal:
+    elif structure.window is None and not structure.causal:
         fields["sdpa_mask"] = "keys"
     elif not constants:
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (dropout or scale is not a constant)")
     else:
-        fields.update(k=_unrepeated(k), v=_unrepeated(v))
+        fields.update(k=_unrepeated(k), v=_unrepeated(v), window=structure.window)
     candidate = AttentionMatch(node, compute_dtype=_autocast_dtype((q, k, v), (node,)), **fields)
     blocker = _blocker(candidate)
     return dataclasses.replace(candidate, blocker=blocker) if blocker else candidate
@@ -270,8 +283,10 @@ def _match_softmax(softmax: fx.Node, facts: GraphFacts) -> AttentionMatch | None
     before = _before_softmax(softmax.args[0], facts)
     if after is None or before is None:
         return None  # a softmax that is not attention (a gate, a classifier): not a candidate at all
+    if isinstance(before, str):
+        return AttentionMatch(softmax, blocker=before)
     probs_chain, dropout_p, output, v = after
-    scores_chain, q, k, scale, mask = before
+    scores_chain, q, k, scale, softcap, mask = before
     candidate = AttentionMatch(
         softmax,
         chain=(*scores_chain, softmax, *probs_chain, output),
@@ -280,6 +295,7 @@ def _match_softmax(softmax: fx.Node, facts: GraphFacts) -> AttentionMatch | None
         k=_unrepeated(k),
         v=_unrepeated(v),
         scale=scale,
+        softcap=softcap,
         dropout_p=dropout_p,
         three_d=tensor_value(q).dim() == 3,
         compute_dtype=_autocast_dtype((q, k, v), (scores_chain[0], output)),
@@ -329,19 +345,35 @@ def _continues(user: fx.Node, node: fx.Node) -> bool:
 
 
 def _before_softmax(scores: fx.Node, facts: GraphFacts):
-    """(nodes from q @ kᵀ on, q, k, scale, mask fields) leading to the softmax input, or None."""
+    """(nodes from q @ kᵀ on, q, k, scale, softcap, mask fields) leading to the softmax input, or None; a reason
+    (str) when the steps come in an order the op cannot compute.
+
+    Walking back from the softmax the op's order is: masks and biases (any number), then at most one softcap
+    c·tanh(x/c), then at most one scale, then q @ kᵀ; fp32 upcasts anywhere. A mask met below a scale or a
+    softcap was scaled or capped with the scores (a bias scaled, a -inf capped to -c): not the op's function."""
     chain: list[fx.Node] = []
     steps: list[dict[str, Any]] = []
     node = scores
-    scale = 1.0
+    scale, softcap = 1.0, None
+    below = None  # the first scale or softcap met: masks below it would be transformed with the scores
     while True:
         chain.append(node)
         if (found := _mask_step(node, facts)) is not None:  # T5's decoder adds a position bias, then a mask
+            if below is not None:
+                return f"a mask or bias ({node.name}) is applied before the {below}, which transforms it too"
             node, step = found
             steps.append(step)
             continue
+        if (capped := _softcap_step(node)) is not None and softcap is None:
+            if scale != 1.0:
+                return f"the scores are scaled after their softcap ({node.name}), not before"
+            node, softcap, inner = capped
+            chain.extend(inner)
+            below = below or f"softcap ({chain[-1].name})"
+            continue
         factor = _scale_step(node)
         if factor is not None and scale == 1.0:
+            below = below or f"scale ({node.name})"
             node, scale = factor
             continue
         if _is_fp32_upcast(node):  # softmax(scores.float()): the op's softmax is fp32 anyway
@@ -352,7 +384,23 @@ def _before_softmax(scores: fx.Node, facts: GraphFacts):
         if qk is None or mask is None:
             return None
         q, k = qk
-        return tuple(reversed(chain)), q, k, scale, mask
+        return tuple(reversed(chain)), q, k, scale, softcap, mask
+
+
+def _softcap_step(node: fx.Node) -> tuple[fx.Node, float, tuple[fx.Node, ...]] | None:
+    """(the scores inside, c, the tanh and division nodes) for ``tanh(x / c) * c``: Gemma 2's
+    ``attn_logit_softcapping`` (``x * (1/c)`` and ``c * tanh(...)`` spelled either way)."""
+    outer = _scale_step(node)
+    if outer is None or outer[1] <= 0:
+        return None
+    tanh, cap = outer
+    if not ((is_call(tanh, torch.tanh) or is_method(tanh, "tanh")) and len(tanh.args) == 1 and not tanh.kwargs):
+        return None
+    inner = tanh.args[0]
+    divided = _scale_step(inner) if isinstance(inner, fx.Node) else None
+    if divided is None or not math.isclose(divided[1] * cap, 1.0, rel_tol=1e-12):
+        return None
+    return divided[0], cap, (tanh, inner)
 
 
 def _combine(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -381,6 +429,9 @@ def _merge_masks(mask: dict[str, Any], step: dict[str, Any]) -> dict[str, Any] |
     boolean mask becomes a bias (two would need their union, which is left to eager)."""
     merged = dict(mask)
     merged["causal"] = mask.get("causal", False) or step.get("causal", False)
+    windows = [w for w in (mask.get("window"), step.get("window")) if w is not None]
+    if windows:  # two windows intersect: the narrower one
+        merged["window"] = min(windows)
     for key in ("mask_nodes", "biases", "key_masks"):
         merged[key] = mask.get(key, ()) + step.get(key, ())
     for key in ("empty_rows", "mask_note", "bias_rows"):
@@ -456,22 +507,20 @@ def _structured(
     if isinstance(structure, str):
         return {**as_bias, "mask_note": f"the mask ({mask.name}) stays a bias: {structure}"}
     fields: dict[str, Any] = {"causal": structure.causal, "mask_nodes": (mask,)}
+    if structure.window is not None:
+        fields["window"] = structure.window
     if structure.keys:
         fields.update(key_masks=structure.keys, empty_rows=empty_rows, as_bias=as_bias)
     return fields
 
 
-def _without_vacuous_window(structure: masks.Structure, queries) -> masks.Structure | str:
+def _without_vacuous_window(structure: masks.Structure, queries) -> masks.Structure:
     """A causal sliding window of w keys hides nothing when there are at most w queries (Mistral's 4096 at a
-    shorter length); a narrower one would need a banded kernel, which memopt.flash_attention does not have."""
-    if structure.window is None:
-        return structure
-    if statically_known_true(queries <= structure.window):
+    shorter length): plain causal then, which every kernel serves. A narrower one (or one that may be narrower
+    under symbolic lengths: no guard is added) stays, as the op's ``window`` argument."""
+    if structure.window is not None and statically_known_true(queries <= structure.window):
         return dataclasses.replace(structure, window=None)
-    return (
-        f"a sliding window of {structure.window} keys, narrower than the {shapes.render(queries)} queries "
-        "(memopt.flash_attention has no banded mask)"
-    )
+    return structure
 
 
 def _rows_provable(structure: masks.Structure, empty_rows: str, queries, keys) -> masks.Structure | str:
@@ -749,8 +798,22 @@ def _cudnn_platform_blocker(device: torch.device) -> str | None:
     return None
 
 
+# Why a sliding window stays on memopt's kernel, whatever the GPU. cuDNN's entry point
+# (``aten._scaled_dot_product_cudnn_attention``) takes no window. SDPA's FA2 backend does
+# (``aten._flash_attention_forward(window_size_left=w - 1, window_size_right=0)``), but it takes no key-padding bias,
+# and where both serve a plain causal case FA2 was the slower: 268 against memopt's 335 TFLOP/s forward + backward
+# at 4×16×4096×128 bf16 (BENCHMARKS.md, the attention op benchmark). Both skip the same key blocks outside the
+# window, so a window should not reverse that order; memopt's kernel serves every window case, key padding too.
+WINDOW_KERNEL_WHY = "a sliding window: cuDNN's attention takes none, and SDPA's FA2 (which does) trails memopt's kernel"
+SOFTCAP_KERNEL_WHY = "a softcap: no library attention kernel caps the scores"
+
+
 def cudnn_case_blocker(candidate: AttentionMatch) -> str | None:
     """Why cuDNN's fused attention cannot compute this case exactly as the replaced code did, or None."""
+    if candidate.softcap is not None:
+        return SOFTCAP_KERNEL_WHY
+    if candidate.window is not None:
+        return WINDOW_KERNEL_WHY
     q, k = tensor_value(candidate.q), tensor_value(candidate.k)
     dtype = candidate.compute_dtype or q.dtype
     if dtype not in (torch.float16, torch.bfloat16):
@@ -775,12 +838,18 @@ def _what(candidate: AttentionMatch, kernel: str) -> str:
         what = f"the [B, 1, Tq, Tk] mask is no longer built: {_SDPA_LOWERINGS[candidate.sdpa_mask]}"
     elif _is_sdpa(candidate.softmax):
         name = "cuDNN attention" if kernel == "cudnn" else "memopt.flash_attention"
-        what = f"the [B, 1, Tq, Tk] mask is no longer built: {name}, " + (
-            "causal flag and key-padding bias" if candidate.causal else "key-padding bias")
+        facts = ["causal flag"] if candidate.causal else []
+        facts += [f"a sliding window of {candidate.window} keys"] if candidate.window is not None else []
+        facts += ["key-padding bias"] if candidate.key_masks else []
+        what = f"the [B, 1, Tq, Tk] mask is no longer built: {name}, " + " and ".join(facts)
     else:
         what = "attention probabilities never stored" + (" (causal mask as a flag)" if candidate.causal else "")
+        if candidate.window is not None:
+            what += f" (a sliding window of {candidate.window} keys as an argument)"
         if candidate.key_masks:
             what += " (key padding as a [B, 1, 1, Tk] bias)"
+        if candidate.softcap is not None:
+            what += f" (softcap {candidate.softcap:g} in the kernel)"
     if candidate.key_masks and candidate.empty_rows != EMPTY_ZERO and kernel != "sdpa":
         what += f"; rows without keys give the {candidate.empty_rows}, as eager does"
     return what + (f"; {candidate.mask_note}" if candidate.mask_note else "")
@@ -804,6 +873,9 @@ def memory_model(candidate: AttentionMatch, assume_device: str | None = None) ->
     }
     if candidate.dropout_p > 0:
         before["saved: dropout mask and dropped probabilities"] = scores * (1 + probs.dtype.itemsize)
+    if candidate.softcap is not None:  # tanh's backward reads its output (or the partitioner keeps its input)
+        tanh = next(node for node in candidate.chain if is_call(node, torch.tanh) or is_method(node, "tanh"))
+        before["saved: the softcap's tanh of the scores [B, H, Tq, Tk]"] = scores * tensor_value(tanh).dtype.itemsize
     for mask in candidate.mask_nodes:
         before[f"transient: the causal mask {mask.name}, no longer built"] = shapes.nbytes(tensor_value(mask))
     batch = 1 if candidate.three_d else q.shape[0]
@@ -855,11 +927,14 @@ def apply(gm: fx.GraphModule, candidate: AttentionMatch, config: Config) -> None
         replaced = keep is not None and (kernel == "cudnn" or candidate.empty_rows != EMPTY_ZERO)
         if replaced or (candidate.bias_rows and candidate.empty_rows != EMPTY_ZERO):
             if keep is not None:
-                empty = _rows_without_keys(add, keep, candidate.causal)
+                empty = _rows_without_keys(add, keep, candidate.causal, candidate.window)
             else:
                 empty = _rows_hidden_whole(add, *candidate.bias_rows)
             if candidate.empty_rows == EMPTY_ZERO:
                 fix = 0.0
+            elif candidate.empty_rows == EMPTY_MEAN_GRAD and candidate.softcap is not None:
+                fix = add("call_function", torch.ops.memopt.flash_attention_uniform_rows.default, q, k, v, empty,
+                          float(candidate.scale), float(candidate.softcap))
             else:
                 fix = _eager_keyless_rows(add, q, k, v, candidate.scale, candidate.empty_rows == EMPTY_MEAN_GRAD)
             result = add("call_function", torch.where, empty, fix, result)
@@ -887,6 +962,9 @@ def _memopt_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v:
         bias = add("call_function", operator.add, bias, term)
     if bias is not None and tensor_value(bias).dtype != tensor_value(q).dtype:
         bias = add("call_method", "to", bias, tensor_value(q).dtype)
+    # softcap and window are passed only when set, so the graphs of other attentions read as they did
+    extra = {"softcap": float(candidate.softcap)} if candidate.softcap is not None else {}
+    extra.update({"window": candidate.window} if candidate.window is not None else {})
     fused = add(
         "call_function",
         torch.ops.memopt.flash_attention.default,
@@ -897,6 +975,7 @@ def _memopt_attention(add, candidate: AttentionMatch, q: fx.Node, k: fx.Node, v:
         float(candidate.scale),
         candidate.causal,
         float(candidate.dropout_p),
+        **extra,
     )
     return add("call_function", operator.getitem, fused, 0)
 
@@ -975,11 +1054,16 @@ def _key_keep(add, keys: tuple[masks.Keys, ...]) -> fx.Node:
     return keep
 
 
-def _rows_without_keys(add, keep: fx.Node, causal: bool) -> fx.Node:
+def _rows_without_keys(add, keep: fx.Node, causal: bool, window: int | None = None) -> fx.Node:
     """[B|1, 1, Tq|1, 1], True for the query rows that see no key: none kept up to the row's own position (causal,
-    Tq = Tk: the running count of kept keys), or none at all."""
+    Tq = Tk: the running count of kept keys), none in its window (that count less the count w positions
+    earlier: right padding empties the rows whose window lies wholly in the padding), or none at all."""
     if causal:
         seen = add("call_method", "cumsum", keep, -1)
+        if window is not None:  # count[i] − count[i − w], the count before the sequence being 0
+            earlier = add("call_function", F.pad, seen, (window, 0))
+            earlier = add("call_function", operator.getitem, earlier, (Ellipsis, slice(None, -window)))
+            seen = add("call_function", operator.sub, seen, earlier)
         return add("call_method", "transpose", add("call_function", operator.eq, seen, 0), -1, -2)
     return add("call_function", operator.invert, add("call_method", "any", keep, -1, True))
 
@@ -996,7 +1080,8 @@ def _eager_keyless_rows(add, q: fx.Node, k: fx.Node, v: fx.Node, scale: float, w
     With ``with_grad`` (the fill was added) also eager's gradient: softmax's backward at P = 1/Tk gives
     dS_ij = (dO_i · (v_j − v̄)) / Tk, so dq_i = scale · M dO_i and dk_j += scale · q_i (dO_i · (v_j − v̄)) / Tk with
     M = Σ_j k_j (v_j − v̄)ᵀ / Tk. ``q @ M − (q @ M).detach()`` is zero and has exactly that gradient, in
-    O(B·H·D²) memory. The uniform weights come from softmax over zeros, as eager's 1/Tk do."""
+    O(B·H·D²) memory. The uniform weights come from softmax over zeros, as eager's 1/Tk do. (Beside a softcap each
+    score's slope enters dS, so no such D×D product exists: ``memopt.flash_attention_uniform_rows`` serves that.)"""
     first_column = add("call_function", operator.getitem, k, (Ellipsis, slice(None, 1)))
     zeros = add("call_function", torch.zeros_like, first_column)
     uniform = add("call_function", torch.softmax, add("call_method", "transpose", zeros, -1, -2), -1)  # [B, Hk, 1, Tk]
@@ -1058,6 +1143,12 @@ def _key_mask_terms(candidate: AttentionMatch) -> dict[str, Any]:
         terms["transient: the key mask [B, 1, 1, Tk]"] = q.shape[0] * k.shape[-2] * q.dtype.itemsize
     if candidate.sdpa_mask is None and candidate.empty_rows != EMPTY_ZERO:
         terms["transient: rows without keys replaced by the mean of v [B, Hq, Tq, D]"] = shapes.nbytes(q)
+    if candidate.empty_rows == EMPTY_MEAN_GRAD and candidate.softcap is not None:
+        from lowerings.flash_attention.uniform_rows import backward_bytes
+
+        terms["transient (backward): those rows' scores through the softcap, a chunk at a time (at most)"] = (
+            backward_bytes(q.shape[-3], q.shape[-2], k.shape[-2])
+        )
     return terms
 
 

@@ -1,17 +1,20 @@
-"""Cut cross-entropy: ``linear → (casts, views, shifts, softcap) → cross_entropy`` becomes ``memopt.cce``.
+"""Cut cross-entropy: ``linear → (casts, views, shifts, scale, softcap) → cross_entropy`` becomes ``memopt.cce``.
 
 The pattern is found from the loss backwards. Every op between the classifier and the loss must act on
-leading (token) dimensions only, or be a dtype cast, a copy, or the tanh softcap; such ops commute with the
-classifier, so they are replayed on the hidden states instead (a shift ``logits[:, :-1]`` becomes
-``hidden[:, :-1]``) and the N×V logits are never formed. Forms covered: HF transformers' causal-LM and
-masked-LM losses, ``nn.CrossEntropyLoss``, ``log_softmax → nll_loss``, nanoGPT's ``ignore_index=-1`` with
-a tied weight, GPT-2's ``addmm``, ``h @ W.T``, and Gemma's final-logit softcap.
+leading (token) dimensions only, or be a dtype cast, a copy, a scale by a constant or the tanh softcap; such ops
+commute with the classifier, so they are replayed on the hidden states instead (a shift ``logits[:, :-1]``
+becomes ``hidden[:, :-1]``) or become arguments of the op, and the N×V logits are never formed. Forms covered:
+HF transformers' causal-LM and masked-LM losses, ``nn.CrossEntropyLoss``, ``log_softmax → nll_loss``, nanoGPT's
+``ignore_index=-1`` with a tied weight, GPT-2's ``addmm``, ``h @ W.T``, Gemma 2's final-logit softcap, Cohere's
+``logit_scale`` (a multiplication) and Granite's ``logits_scaling`` (a division), and a scale before a softcap.
+Where the model returns its logits after those transforms, the op returns them so transformed.
 (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models".)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Mapping
 from typing import Any
@@ -83,6 +86,13 @@ class CceMatch:
     bias: fx.Node | None = None
     softcap: float | None = None
     blocker: str | None = None
+    # a logit scale before the softcap: the loss reads c·tanh(x·scale/divisor/c), or x·scale/divisor
+    scale: float = 1.0
+    divisor: float = 1.0
+    transforms: tuple[fx.Node, ...] = ()  # the path's scale and softcap nodes
+    # what the graph uses of the logits outside the loss, when it does (returns_logits): the classifier's own
+    # output, or the last of the transforms that directly follow it (the model returns its logits transformed)
+    head: fx.Node | None = None
     # z-loss terms: (logsumexp node, the chain node it reads, casts between them) served by the op's lse
     log_sum_exps: tuple[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]], ...] = ()
     # the classifier's output is also used outside the loss (returned, say): memopt.cce_with_logits serves both
@@ -99,6 +109,16 @@ class CceMatch:
     @property
     def anchor(self) -> fx.Node:
         return self.loss.node
+
+    @property
+    def returned(self) -> fx.Node:
+        """The node whose uses outside the loss the op's logits serve (the classifier's output by default)."""
+        return self.head if self.head is not None else self.classifier
+
+    @property
+    def transform_logits(self) -> bool:
+        """Whether the op returns the logits scaled and softcapped, as the loss sees them."""
+        return self.returns_logits and self.head is not None and self.head is not self.classifier
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
@@ -122,9 +142,12 @@ class CceMatch:
             reduction=self.loss.reduction,
             label_smoothing=self.loss.label_smoothing,
             softcap=self.softcap,
+            logit_scale=self.scale,
+            logit_divisor=self.divisor,
             bias=self.bias is not None,
             z_loss_terms=len(self.log_sum_exps),
             returns_logits=self.returns_logits,
+            returned_logits_transformed=self.transform_logits,
         )
         return params
 
@@ -190,21 +213,24 @@ def _match_loss(loss: LossCall, facts: GraphFacts) -> CceMatch:
     walk = _walk_to_classifier(loss, vocab)
     if isinstance(walk, str):
         return CceMatch(loss, blocker=walk)
-    path, source, softcap = walk
-    classifier = _classifier_operands(source, vocab)
+    classifier = _classifier_operands(walk.source, vocab)
     if isinstance(classifier, str):
-        return CceMatch(loss, path=path, blocker=classifier)
+        return CceMatch(loss, path=walk.path, blocker=classifier)
     hidden, weight, transposed, bias = classifier
-    candidate = CceMatch(loss, path, source, hidden, weight, transposed, bias, softcap)
+    candidate = CceMatch(
+        loss, walk.path, walk.source, hidden, weight, transposed, bias, walk.softcap, scale=walk.scale,
+        divisor=walk.divisor, transforms=walk.transforms,
+    )
     candidate = dataclasses.replace(candidate, log_sum_exps=_log_sum_exp_users(candidate))
-    escape = _escape(candidate, facts)
+    escape, head = _escape(candidate, facts)
     if escape is None:
         return candidate
     if escape is RETURNED:
+        candidate = dataclasses.replace(candidate, returns_logits=True, head=head)
         positions, returned_dtype = _returned_only(candidate, facts)
         kept = _widening_is_slow(candidate.classifier) if returned_dtype is not None else None
         return dataclasses.replace(
-            candidate, returns_logits=True, returned_positions=positions,
+            candidate, returned_positions=positions,
             returned_dtype=None if kept else returned_dtype, kept_dtype_reason=kept,
         )
     return dataclasses.replace(candidate, blocker=escape)
@@ -218,26 +244,27 @@ def _returned_only(candidate: CceMatch, facts: GraphFacts) -> tuple[tuple[int, .
         return (), None
     positions: list[int] = []
     returned: list[fx.Node] = []
-    for _, user in facts.outside_users([candidate.classifier], inside=candidate.nodes):
-        node = candidate.classifier if user is facts.output else _returned_as(user, facts.output)
+    head = candidate.returned
+    for _, user in facts.outside_users([head], inside=candidate.nodes):
+        node = head if user is facts.output else _returned_as(user, facts.output)
         found = returned_logits.output_positions(facts.gm.graph, node) if node is not None else None
         if not found:
             return (), None
         positions.extend(found)
         returned.append(node)
-    return tuple(sorted(set(positions))), _widened_to(candidate.classifier, returned)
+    return tuple(sorted(set(positions))), _widened_to(head, returned)
 
 
-def _widened_to(classifier: fx.Node, returned: list[fx.Node]) -> torch.dtype | None:
-    """fp32 where the classifier's 16-bit logits reach each of ``returned`` through casts to fp32 only (the dtypes
-    along each chain: the classifier's, then fp32), so that writing them in fp32 at once changes no value the
+def _widened_to(head: fx.Node, returned: list[fx.Node]) -> torch.dtype | None:
+    """fp32 where the 16-bit logits ``head`` reach each of ``returned`` through casts to fp32 only (the dtypes
+    along each chain: the logits', then fp32), so that writing them in fp32 at once changes no value the
     graph returns. None otherwise."""
-    source = tensor_value(classifier).dtype
+    source = tensor_value(head).dtype
     if source not in (torch.float16, torch.bfloat16) or not returned:
         return None
     for node in returned:
         dtypes: list[torch.dtype] = []
-        while node is not classifier:
+        while node is not head:
             dtypes.append(tensor_value(node).dtype)
             node = node.args[0]
         dtypes.reverse()  # from the classifier's first user to the returned node
@@ -310,14 +337,28 @@ def _unsupported_arguments(loss: LossCall) -> str | None:
     return None
 
 
-def _walk_to_classifier(
-    loss: LossCall, vocab
-) -> tuple[tuple[fx.Node, ...], fx.Node, float | None] | str:
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """The ops from the classifier to the loss (``path``, in graph order), the op that made the logits
+    (``source``), and the transform the loss applies to them: c·tanh(x·scale/divisor/c) (its ``transforms``
+    nodes; ``softcap`` None: x·scale/divisor)."""
+
+    path: tuple[fx.Node, ...]
+    source: fx.Node
+    softcap: float | None = None
+    scale: float = 1.0
+    divisor: float = 1.0
+    transforms: tuple[fx.Node, ...] = ()
+
+
+def _walk_to_classifier(loss: LossCall, vocab) -> Walk | str:
     """Walk from the loss input back through vocabulary-preserving ops to the op that made the logits."""
     path: list[fx.Node] = []
     node = loss.input
     seen_log_softmax = False
     softcap = None
+    scale, divisor = 1.0, 1.0
+    transforms: list[fx.Node] = []
     while True:
         if not _last_dim_is(node, vocab):
             return f"{describe_node(node)} changes the class dimension"
@@ -333,17 +374,37 @@ def _walk_to_classifier(
             path.append(node)
             node = node.args[0]
             continue
-        cap = _softcap(node) if softcap is None else None
+        if loss.form == "nll_loss" and not seen_log_softmax:
+            break  # a transform of log-probabilities is not one of the logits
+        cap = _softcap(node)
         if cap is not None:
+            if softcap is not None:
+                return f"{describe_node(node)} softcaps logits already softcapped; memopt.cce takes one softcap"
+            if transforms:
+                return (
+                    f"the logits are scaled after their softcap ({describe_node(transforms[0])}); memopt.cce takes "
+                    "a scale before the softcap only"
+                )
             softcap, cap_nodes, node = cap
-            path.extend(cap_nodes)
+            path.extend(reversed(cap_nodes))
+            transforms.extend(reversed(cap_nodes))
+            continue
+        found = _scale(node)
+        if isinstance(found, str):
+            return found
+        if found is not None:
+            divides, factor, node_before = found
+            scale, divisor = (scale, divisor * factor) if divides else (scale * factor, divisor)
+            path.append(node)
+            transforms.append(node)
+            node = node_before
             continue
         break
     if loss.form == "nll_loss" and not seen_log_softmax:
         return "nll_loss input is not a log_softmax of logits"
     if node.op == "placeholder":
         return GRAPH_BREAK_ADVICE
-    return tuple(reversed(path)), node, softcap
+    return Walk(tuple(reversed(path)), node, softcap, scale, divisor, tuple(reversed(transforms)))
 
 
 def _last_dim_is(node: fx.Node, vocab) -> bool:
@@ -435,6 +496,62 @@ def _softcap(node: fx.Node) -> tuple[float, tuple[fx.Node, ...], fx.Node] | None
     return None
 
 
+_MUL_TARGETS: tuple[Any, ...] = (operator.mul, torch.mul, torch.multiply)
+_DIV_TARGETS: tuple[Any, ...] = (operator.truediv, torch.div, torch.divide, torch.true_divide)
+
+
+def _scale(node: fx.Node) -> tuple[bool, float, fx.Node] | str | None:
+    """(divides, c, x) for a logit scale ``x * c``, ``c * x`` or ``x / c`` by a Python number c (Cohere's
+    ``logits * logit_scale``, Granite's ``logits / logits_scaling``); why it cannot be served, for such an op whose
+    c is a tensor or a symbolic float, or not positive and finite; None for any other op."""
+    multiplies = is_call(node, *_MUL_TARGETS) or is_method(node, "mul", "multiply")
+    divides = is_call(node, *_DIV_TARGETS) or is_method(node, "div", "divide", "true_divide")
+    if not (multiplies or divides) or len(node.args) != 2:
+        return None
+    if set(node.kwargs) - {"rounding_mode"} or node.kwargs.get("rounding_mode") is not None:
+        return None  # a floor or truncating division is not a scale
+    first, second = node.args
+    orders = [(first, second)] if divides else [(first, second), (second, first)]
+    for logits, factor in orders:
+        value = tensor_value(logits) if isinstance(logits, fx.Node) else None
+        if value is None or value.dim() == 0 or not value.is_floating_point():
+            continue
+        if isinstance(factor, bool):
+            return None
+        if isinstance(factor, (int, float)):
+            if not (math.isfinite(factor) and factor > 0):
+                reason = "memopt.cce takes a positive, finite scale"
+                return f"{describe_node(node)} scales the logits by {factor!r}; {reason}"
+            return divides, float(factor), logits
+        return _unsupported_factor(node, factor)
+    return None
+
+
+def _unsupported_factor(node: fx.Node, factor: Any) -> str | None:
+    """Why a scale ``node`` whose factor is not a Python number cannot be served, or None where ``factor`` is not a
+    scalar at all (``node`` is then some other op)."""
+    if not isinstance(factor, fx.Node):
+        return None
+    example = factor.meta.get("example_value")
+    if isinstance(example, (torch.SymFloat, torch.SymInt)):
+        return (
+            f"{describe_node(node)} scales the logits by a symbolic number ({factor.name}): Dynamo did not specialize "
+            "it (torch._dynamo.config.specialize_float), and memopt's ops take the scale as a constant"
+        )
+    value = tensor_value(factor)
+    if value is None or value.numel() != 1:
+        return None
+    if value.requires_grad:
+        return (
+            f"{describe_node(node)} scales the logits by a learned tensor ({factor.name}): memopt's ops take a "
+            "constant scale and do not compute its gradient"
+        )
+    return (
+        f"{describe_node(node)} scales the logits by a tensor ({factor.name}): memopt's ops take the scale as a "
+        "Python number (reading a tensor's value would sync with the device); store it as a float"
+    )
+
+
 def _classifier_operands(node: fx.Node, vocab) -> tuple[fx.Node, fx.Node, bool, fx.Node | None] | str:
     """(hidden, weight, weight_is_transposed, bias) of a linear classifier producing ``node``."""
     if is_call(node, *LINEAR_TARGETS):
@@ -479,12 +596,12 @@ def _checked(hidden, weight, transposed: bool, bias, vocab, node: fx.Node):
 def _log_sum_exp_users(candidate: CceMatch) -> tuple[tuple[fx.Node, fx.Node, tuple[fx.Node, ...]], ...]:
     """``logsumexp(logits, -1)`` terms (z-loss) the op's per-row log-sum-exp can replace.
 
-    The logsumexp may read any chain node after the softcap and before a log-softmax (possibly through dtype
-    casts of its own) as long as only casts, copies and reshapes follow that node on the way to the loss, so
+    The logsumexp may read any chain node after the scale and softcap and before a log-softmax (possibly through
+    dtype casts of its own) as long as only casts, copies and reshapes follow that node on the way to the loss, so
     that its rows are the loss rows in the same order.
     """
     chain = [candidate.classifier, *candidate.path]
-    first = max((i for i, node in enumerate(chain) if _softcap(node) is not None), default=0)
+    first = max((i for i, node in enumerate(chain) if node in candidate.transforms), default=0)
     found = []
     for position, node in enumerate(chain):
         later = chain[position + 1 :]
@@ -518,39 +635,84 @@ def _is_log_sum_exp_over_last_dim(node: fx.Node) -> bool:
 RETURNED = "the classifier's output is used outside the loss"
 
 
-def _escape(candidate: CceMatch, facts: GraphFacts) -> str | None:
-    """None when only the loss reads the logits; ``RETURNED`` when the classifier's output is also used
-    elsewhere (returned from the graph, or read by another op) in a way ``memopt.cce_with_logits`` can serve;
-    otherwise why the logits stay alive anyway."""
+def _escape(candidate: CceMatch, facts: GraphFacts) -> tuple[str | None, fx.Node | None]:
+    """(None, None) when only the loss reads the logits; (``RETURNED``, the node used) when the classifier's
+    output, or the logits as the transforms that directly follow it leave them, are also used elsewhere
+    (returned from the graph, or read by another op) in a way ``memopt.cce_with_logits`` can serve; otherwise
+    (why the logits stay alive anyway, None)."""
     outside = facts.outside_users([candidate.classifier, *candidate.path], inside=candidate.nodes)
     if not outside:
-        return None
+        return None, None
+    servable = _servable_heads(candidate)
     for node, user in outside:
-        if node is not candidate.classifier:
-            used = "returned from the compiled graph" if user.op == "output" else f"used by {describe_node(user)}"
-            return (
-                f"a copy of the logits ({node.name}, made on the way to the loss) is {used}, so it stays alive "
-                "and rewriting saves nothing; return the classifier's own output instead"
-            )
+        if node not in servable:
+            return _unservable_use(candidate, node, user), None
+    used = {node for node, _ in outside}
+    if len(used) > 1:
+        return (
+            "the logits are used outside the loss both before and after their transform ("
+            f"{', '.join(sorted(node.name for node in used))}); memopt's ops return one of them"
+        ), None
+    (head,) = used
+    candidate = dataclasses.replace(candidate, head=head)
     shift = next((node for node in candidate.path if view_kind(node) is ViewKind.INDEX), None)
     if shift is not None:
         return (
             f"the logits are used outside the loss and the loss reads a subset of their rows ({describe_node(shift)}); "
             "memopt.cce_with_logits needs the loss rows to be the logits' rows (shift the labels instead, as HF does)"
-        )
+        ), None
     late = _inputs_after(candidate, _insertion_point(candidate))
     if late is not None:
         return (
             f"the logits are used outside the loss before {describe_node(late)} is computed, which the fused op "
             "needs; compute the targets before using the logits"
+        ), None
+    return RETURNED, head
+
+
+def _servable_heads(candidate: CceMatch) -> tuple[fx.Node, ...]:
+    """The nodes whose uses outside the loss the op's returned logits can stand in for: the classifier's output,
+    and the last transform where every transform directly follows the classifier, casts to its own dtype aside
+    (the op then returns its logits transformed as the loss's; a transform after a real cast or a view would
+    leave the returned logits half done)."""
+    if not candidate.transforms:
+        return (candidate.classifier,)
+    dtype = tensor_value(candidate.classifier).dtype
+    seen = 0
+    for node in candidate.path:
+        if node in candidate.transforms:
+            seen += 1
+        elif view_kind(node) is not ViewKind.CAST or tensor_value(node).dtype != dtype:
+            break
+        if seen == len(candidate.transforms):
+            return candidate.classifier, candidate.transforms[-1]
+    return (candidate.classifier,)
+
+
+def _unservable_use(candidate: CceMatch, node: fx.Node, user: fx.Node) -> str:
+    """Why logits used outside the loss at ``node`` (by ``user``) keep the rewrite from applying."""
+    used = "returned from the compiled graph" if user.op == "output" else f"used by {describe_node(user)}"
+    if node in candidate.transforms and node is candidate.transforms[-1]:
+        return (
+            f"the transformed logits ({node.name}) are {used}, but a cast or view comes between the classifier and "
+            "their transform; memopt's ops return logits transformed in the classifier's dtype and layout"
         )
-    return RETURNED
+    if node in candidate.transforms:
+        return (
+            f"the logits are {used} part-way through their transform ({node.name}, before "
+            f"{candidate.transforms[-1].name}); memopt's ops return the classifier's logits or the fully transformed "
+            "ones"
+        )
+    return (
+        f"a copy of the logits ({node.name}, made on the way to the loss) is {used}, so it stays alive "
+        "and rewriting saves nothing; return the classifier's own output instead"
+    )
 
 
 def _outside_users(candidate: CceMatch) -> list[fx.Node]:
-    """Users of the classifier's output outside the loss's chain, in graph order."""
+    """Users of the logits the op returns (``CceMatch.returned``) outside the loss's chain, in graph order."""
     inside = {*candidate.nodes}
-    return [user for user in candidate.classifier.users if user not in inside]
+    return [user for user in candidate.returned.users if user not in inside]
 
 
 def _insertion_point(candidate: CceMatch) -> fx.Node:
@@ -757,7 +919,11 @@ def memory_model(candidate: CceMatch, assume_device: str | None = None, variant:
     rows = ce_input.shape[0]
     dtype = logits.dtype  # the classifier's compute dtype (autocast's, if it was on)
     # Logits the graph returns exist either way, and so does the gradient autograd hands them (zeros if unused).
-    returned = shapes.nbytes(logits) if candidate.returns_logits else 0
+    # Returned after their transform, the classifier's own output is a transient of the forward before the rewrite;
+    # the ops transform their logits in place: in their own buffer off CUDA and in the row-wise op, and in the
+    # traced CUDA body of cce_with_logits by Inductor's pointwise kernel, which reuses the GEMM's buffer (as its CPU
+    # output code shows; not yet measured on CUDA).
+    returned = shapes.nbytes(tensor_value(candidate.returned)) if candidate.returns_logits else 0
     forward = shapes.nbytes(logits) - returned
     backward = shapes.nbytes(ce_input) + (shapes.nbytes(logits) if logits.dtype != ce_input.dtype else 0)
     for node in candidate.path:
@@ -820,8 +986,8 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
     fake_mode = fake_mode_of([loss_node, candidate.hidden])
     dim = tensor_value(candidate.hidden).shape[-1]
 
-    def add(op: str, target: Any, *args: Any) -> fx.Node:
-        return insert_node(graph, op, target, args, meta_from=loss_node, fake_mode=fake_mode)
+    def add(op: str, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return insert_node(graph, op, target, args, kwargs, meta_from=loss_node, fake_mode=fake_mode)
 
     with graph.inserting_before(_insertion_point(candidate)):
         hidden = candidate.hidden
@@ -845,24 +1011,32 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             hidden, weight, bias, loss.targets, loss.ignore_index, loss.reduction, float(loss.label_smoothing),
             candidate.softcap,
         )
+        transform = _transform_kwargs(candidate)  # (by name: a graph without a transform reads as before)
         rowwise = choose_variant(candidate, config)[0] == "rowwise"
         if candidate.returns_logits and rowwise:  # the op returns the logits too (their gradient: the wrapper)
-            fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), True)
+            fused = add(
+                "call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), True,
+                **transform,
+            )
         elif candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
             detach = _wrapper_carries_logits(candidate)  # their gradient (the wrapper's) never enters the graph
             widened = [candidate.returned_dtype] if candidate.returned_dtype is not None else []
-            fused = add("call_function", torch.ops.memopt.cce_with_logits.default, *arguments, detach, *widened)
+            fused = add(
+                "call_function", torch.ops.memopt.cce_with_logits.default, *arguments, detach, *widened, **transform
+            )
         elif rowwise:
-            fused = add("call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate))
+            fused = add(
+                "call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), **transform
+            )
         else:
             filter_eps = [eps] if (eps := config.cce_filter_for(dtype)) else []
-            fused = add("call_function", torch.ops.memopt.cce.default, *arguments, *filter_eps)
+            fused = add("call_function", torch.ops.memopt.cce.default, *arguments, *filter_eps, **transform)
         result = _cast_like(add, add("call_function", operator.getitem, fused, 0), loss_node)
         replacements = [(loss_node, result)]
         logits = None
         if candidate.returns_logits:
             logits = _returned_logits(add, fused, candidate.hidden, 4 if rowwise else 2)
-            replacements.append((candidate.classifier, logits))
+            replacements.append((candidate.returned, logits))
         for lse_node, source, _ in candidate.log_sum_exps:
             rows = add("call_function", operator.getitem, fused, 1)
             size = add("call_method", "size", hidden_at[source])
@@ -877,6 +1051,19 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
     erase_unused([*candidate.nodes, *transposes])
     if _wrapper_carries_logits(candidate):  # (the row-wise op returns logits only then: _rowwise_blocker)
         _return_operands(graph, candidate, hidden, weight, bias)
+
+
+def _transform_kwargs(candidate: CceMatch) -> dict[str, Any]:
+    """The op's keyword arguments for the logit scale, and for logits returned transformed; none where they keep
+    their defaults."""
+    kwargs: dict[str, Any] = {}
+    if candidate.scale != 1.0:
+        kwargs["scale"] = candidate.scale
+    if candidate.divisor != 1.0:
+        kwargs["divisor"] = candidate.divisor
+    if candidate.transform_logits:
+        kwargs["transform_logits"] = True
+    return kwargs
 
 
 def _refresh_returned_chains(logits: fx.Node, fake_mode) -> None:
@@ -902,11 +1089,15 @@ def _return_operands(graph: fx.Graph, candidate: CceMatch, hidden: fx.Node, weig
             return returned_logits.Operand("input", placeholders.index(source), cast, transposed)
         return returned_logits.Operand("output", returned_logits.add_output(graph, as_seen))
 
+    transform = returned_logits.Transform()
+    if candidate.transform_logits:
+        transform = returned_logits.Transform(candidate.scale / candidate.divisor, candidate.softcap)
     entry = returned_logits.ReturnedLogits(
         positions=candidate.returned_positions,
         hidden=returned_logits.Operand("output", returned_logits.add_output(graph, hidden)),
         weight=operand(candidate.weight, weight, candidate.weight_is_transposed),
         bias=operand(candidate.bias, bias, False) if candidate.bias is not None else None,
+        transform=transform,
     )
     returned_logits.record(graph, entry)
 

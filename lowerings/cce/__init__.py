@@ -21,17 +21,20 @@ def linear_cross_entropy(
     softcap: float | None = None,
     return_lse: bool = False,
     filter_eps: float = 0.0,
+    scale: float = 1.0,
+    divisor: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ...)`` without the logits.
 
     ``hidden`` is [..., D] and ``targets`` the matching [...] class indices; "none" returns losses shaped
     like ``targets``. With ``return_lse`` the per-row log-sum-exp (shaped like ``targets``) comes too.
     ``filter_eps`` > 0 trades exact gradients for speed on CUDA (see ``torch.ops.memopt.cce``).
+    ``scale`` and ``divisor``: the logits are ``linear(...) * scale / divisor`` (then softcapped).
     """
     lead = targets.shape
     loss, lse = torch.ops.memopt.cce(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-        ignore_index, reduction, label_smoothing, softcap, filter_eps,
+        ignore_index, reduction, label_smoothing, softcap, filter_eps, scale, divisor,
     )
     if reduction == "none":
         loss = loss.view(lead)

@@ -47,15 +47,16 @@ FORWARD_SPLIT_COLUMNS = 16384
 def _logit_tile(
     E, C, bias, rows, cols, vocab, n_rows, n_cols, dim,
     stride_en, stride_ed, stride_cv, stride_cd,
-    softcap,
+    softcap, scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, ROUND: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (softcapped), and tanh(x/c) for the chain rule.
+    """fp32 logits [BLOCK_N, BLOCK_V] for ``rows`` × ``cols`` (times the logit scale, softcapped), and tanh(x·m/c)
+    for the chain rule.
 
     ``vocab`` are the classes at those columns: ``cols`` itself, or their classes in a sorted vocabulary.
-    ROUND rounds the linear's output to the input dtype before the softcap, as a GEMM that writes the logits in
-    that dtype does: the backward of ``cce_with_logits`` must see the logits its forward's GEMM returned.
+    ROUND rounds the linear's output to the input dtype before the scale and softcap, as a GEMM that writes the
+    logits in that dtype does: the backward of ``cce_with_logits`` must see the logits its forward's GEMM returned.
     Rows and columns past the ends read the last row or class instead of being masked (callers mask what they
     keep), so that with EVEN_D (``dim`` a multiple of BLOCK_D) the loop's loads carry no mask at all."""
     col_ok = cols < n_cols
@@ -83,6 +84,7 @@ def _logit_tile(
         acc += tl.load(bias + vocab, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND:
         acc = acc.to(E.dtype.element_ty).to(tl.float32)
+    acc = acc * scale
     capped = acc
     if HAS_SOFTCAP:
         capped = tanh(acc / softcap)
@@ -96,12 +98,12 @@ def _lse_forward_kernel(
     part_max, part_sum, part_target, part_logit_sum,
     n_rows, n_cols, dim, cols_per_split,
     stride_en, stride_ed, stride_cv, stride_cd,
-    softcap,
+    softcap, scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, WANT_LOGIT_SUM: tl.constexpr, IEEE: tl.constexpr,
     EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Per (row tile, vocabulary slice): running max, Σexp, target logit and Σlogits, all fp32."""
-    softcap = as_fp32(softcap)
+    softcap, scale = as_fp32(softcap), as_fp32(scale)
     pid = tl.program_id(0)
     row_tiles = tl.cdiv(n_rows, BLOCK_N)
     split = pid // row_tiles
@@ -118,7 +120,7 @@ def _lse_forward_kernel(
         cols = v + tl.arange(0, BLOCK_V)
         logits, _ = _logit_tile(
             E, C, bias, rows, cols, cols, n_rows, col_hi, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-            HAS_BIAS, HAS_SOFTCAP, IEEE, False, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+            scale, HAS_BIAS, HAS_SOFTCAP, IEEE, False, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
         )
         col_ok = (cols < col_hi)[None, :]
         target_logit += tl.sum(tl.where(cols.to(tl.int64)[None, :] == target[:, None], logits, 0.0), axis=1)
@@ -138,7 +140,7 @@ def _lse_forward_kernel(
 
 # The narrower last chunk of a vocabulary compiles a second specialization (~0.7 s of a cold first step on the
 # H200). Not specializing on the chunk's width instead cost 30 % of this kernel's speed and 54 % of the product's
-# (``benchmarks/cce_tune.py``, BENCHMARKS.md, 2026-12-03): the divisibility of the widths is worth the compile.
+# (``benchmarks/tools/cce_tune.py``, BENCHMARKS.md, 2026-12-03): the divisibility of the widths is worth the compile.
 @triton.jit
 def _grad_logits_kernel(
     E, C, bias, targets, lse, grad_rows, grad_lse, G, Order, Live,
@@ -148,17 +150,21 @@ def _grad_logits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, FILTER: tl.constexpr,
     ROUND: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    # last, with defaults, so that a launch written without them (a tile sweep's) means what it meant
+    scale=1.0, GradLogits=None, stride_ln=0, stride_lv=0, ADD_LOGITS_GRAD: tl.constexpr = False,
 ):
-    """G[n, j] = ∂(Σ g_n·loss_n + Σ h_n·lse_n)/∂logit[n, col_start + j], written in G's dtype.
+    """G[n, j] = ∂(Σ g_n·loss_n + Σ h_n·lse_n)/∂x[n, col_start + j], written in G's dtype, x the classifier's output.
 
-    ∂loss/∂z = softmax(z) − (1 − ε)·onehot − ε/V and ∂lse/∂z = softmax(z); through the softcap
-    z = c·tanh(x/c) both are multiplied by 1 − tanh²(x/c).
+    ∂loss/∂z = softmax(z) − (1 − ε)·onehot − ε/V and ∂lse/∂z = softmax(z); through the scale and softcap
+    z = c·tanh(x·m/c) both are multiplied by m·(1 − tanh²(x·m/c)). ADD_LOGITS_GRAD: the gradient of returned
+    logits z (``GradLogits``, strides ``stride_ln``, ``stride_lv``) joins before that chain rule.
 
     FILTER (Wijmans et al. 2024, §4.3): columns run through the vocabulary in the sorted ``Order``; a tile whose
     every |softmax − target| of a contributing row is below ``filter_eps`` is written as zeros and marked dead in
     ``Live[row tile, column tile]``, so that the gradient products can skip it.
     """
     smoothing_keep, smoothing_spread, softcap = as_fp32(smoothing_keep), as_fp32(smoothing_spread), as_fp32(softcap)
+    scale = as_fp32(scale)
     col_tiles = tl.cdiv(chunk_cols, BLOCK_V)
     pid = tl.program_id(0)
     rows = (pid // col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,7 +177,7 @@ def _grad_logits_kernel(
         vocab = cols
     logits, capped = _logit_tile(
         E, C, bias, rows, cols, vocab, n_rows, n_cols, dim, stride_en, stride_ed, stride_cv, stride_cd, softcap,
-        HAS_BIAS, HAS_SOFTCAP, IEEE, ROUND, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
+        scale, HAS_BIAS, HAS_SOFTCAP, IEEE, ROUND, EVEN_D, BLOCK_N, BLOCK_V, BLOCK_D,
     )
     row_lse = tl.load(lse + rows, mask=row_ok, other=0.0)
     g_loss = tl.load(grad_rows + rows, mask=row_ok, other=0.0)
@@ -181,9 +187,13 @@ def _grad_logits_kernel(
     is_target = vocab.to(tl.int64)[None, :] == target[:, None]
     grad = probs * (g_loss + g_lse)[:, None] - (g_loss * smoothing_spread)[:, None]
     grad -= tl.where(is_target, (g_loss * smoothing_keep)[:, None], 0.0)
+    mask = row_ok[:, None] & (local < chunk_cols)[None, :]
+    if ADD_LOGITS_GRAD:
+        at = rows.to(tl.int64)[:, None] * stride_ln + cols.to(tl.int64)[None, :] * stride_lv
+        grad += tl.load(GradLogits + at, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         grad = grad * (1.0 - capped * capped)
-    mask = row_ok[:, None] & (local < chunk_cols)[None, :]
+    grad = grad * scale
     if FILTER:
         contributing = mask & ((g_loss != 0.0) | (g_lse != 0.0))[:, None]
         distance = tl.abs(probs - smoothing_spread - tl.where(is_target, smoothing_keep, 0.0))
@@ -273,7 +283,7 @@ def _blocks(dtype: torch.dtype) -> dict[str, int]:
         return {"BLOCK_N": 16, "BLOCK_V": 16, "BLOCK_D": 16}
     if dtype == torch.float32:
         return {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_D": 32, "num_warps": 4, "num_stages": 3}
-    # H200, bf16, N=8192 V=128256 D=2048 (benchmarks/cce_tune.py, 2026-12-03, unmasked loads): 565 TFLOP/s
+    # H200, bf16, N=8192 V=128256 D=2048 (benchmarks/tools/cce_tune.py, 2026-12-03, unmasked loads): 565 TFLOP/s
     # (256×128×32 in 5 stages: 538; 128×256×64: 516).
     return {"BLOCK_N": 256, "BLOCK_V": 128, "BLOCK_D": 64, "num_warps": 8, "num_stages": 3}
 
@@ -367,6 +377,7 @@ def forward_rows(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss (0 on ignored rows) and log-sum-exp, fp32 [N]; the same contract as the reference."""
     n_rows, dim = hidden.shape
@@ -384,7 +395,7 @@ def forward_rows(
         part_max, part_sum, part_target, part_logit_sum,
         n_rows, n_cols, dim, cols_per_split,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-        softcap or 1.0,
+        softcap or 1.0, scale,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, WANT_LOGIT_SUM=want_logit_sum,
         IEEE=exact_fp32_products(hidden.dtype), EVEN_D=dim % blocks["BLOCK_D"] == 0, **blocks,
     )
@@ -406,8 +417,8 @@ def chunk_columns(n_rows: int, itemsize: int) -> int:
 def vocabulary_order(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Classes by descending mean logit over the rows, C·ē (+ b): the order in which filtered tiles cluster.
 
-    The mean logit is linear in the hidden states, so one matrix-vector product gives it (softcap, monotone,
-    keeps the order); no pass over the logits is needed."""
+    The mean logit is linear in the hidden states, so one matrix-vector product gives it (a positive logit scale and
+    the softcap, both monotone, keep the order); no pass over the logits is needed."""
     mean_logit = torch.mv(weight, hidden.mean(0, dtype=torch.float32).to(weight.dtype)).float()
     if bias is not None:
         mean_logit = mean_logit + bias.float()
@@ -428,13 +439,17 @@ def backward(
     filter_eps: float = 0.0,
     grad_logits: torch.Tensor | None = None,
     round_logits: bool = False,
+    scale: float = 1.0,
+    logits_transformed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. hidden, weight, bias (empty where not needed); the reference's contract.
 
     ``grad_logits`` [N, V] is the gradient that reached logits the forward returned (``cce_with_logits``):
     it is added to each chunk's logit gradient before the two GEMMs, so it costs no pass of its own. It turns
     the filter off (its tiles are not negligible in general). ``round_logits`` recomputes the logits rounded to
-    the input dtype, as that op's forward GEMM wrote them and took its log-sum-exp from.
+    the input dtype, as that op's forward GEMM wrote them and took its log-sum-exp from. ``scale`` is the logit
+    scale m; ``logits_transformed``: the returned logits were scaled and softcapped as the loss's, so their
+    gradient goes through the chain rule too (inside the kernel under a softcap, whose slope only it has).
 
     ``filter_eps`` > 0 turns on the speed options of Wijmans et al. 2024 (§4.3): the vocabulary is walked in
     descending order of its mean logit, so that the columns where some row's softmax is not negligible
@@ -455,6 +470,9 @@ def backward(
     filtering = filter_eps > 0.0 and grad_logits is None
     order = vocabulary_order(hidden, weight, bias) if filtering else None
     live = hidden.new_empty((row_tiles, col_tiles), dtype=torch.int8) if filtering else None
+    # The returned logits' gradient joins inside the kernel only where the chain rule needs its slope there.
+    in_kernel = grad_logits is not None and logits_transformed and softcap is not None
+    logits_strides = grad_logits.stride() if in_kernel else (0, 0)
     for start in range(0, n_cols, chunk):
         cols = min(chunk, n_cols - start)
         g = grad_chunk[:, :cols]
@@ -465,9 +483,11 @@ def backward(
             1.0 - label_smoothing, label_smoothing / n_cols, softcap or 1.0, filter_eps,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, IEEE=exact_fp32_products(hidden.dtype),
             FILTER=filtering, ROUND=round_logits, EVEN_D=dim % blocks["BLOCK_D"] == 0, **blocks,
+            scale=scale, GradLogits=grad_logits if in_kernel else None, stride_ln=logits_strides[0],
+            stride_lv=logits_strides[1], ADD_LOGITS_GRAD=in_kernel,
         )
-        if grad_logits is not None:
-            g.add_(grad_logits[:, start : start + cols])
+        if grad_logits is not None and not in_kernel:  # through the scale alone, or not transformed at all
+            g.add_(grad_logits[:, start : start + cols], alpha=scale if logits_transformed else 1.0)
         classes = order[start : start + cols] if filtering else None
         tiles = None
         if filtering:  # the kernel numbered this chunk's tiles row-major over its own column tiles

@@ -1,12 +1,18 @@
 """``torch.ops.memopt.cce``: linear + cross-entropy that never materializes the N×V logits.
 
     loss, lse = torch.ops.memopt.cce(hidden, weight, bias, targets, ignore_index, reduction,
-                                     label_smoothing, softcap, filter_eps=0.0)
+                                     label_smoothing, softcap, filter_eps=0.0, scale=1.0, divisor=1.0)
 
 ``hidden`` is [N, D], ``weight`` the classifier [V, D], ``bias`` [V] or None, ``targets`` [N] class indices.
 ``loss`` is fp32 (fp64 for fp64 inputs): a scalar for "mean"/"sum", [N] for "none" (0 on ignored rows), exactly like
 ``F.cross_entropy(linear(hidden, weight, bias).float(), targets, ...)``; "mean" over zero valid rows is NaN.
 ``lse`` is the per-row log-sum-exp of the logits, differentiable, for z-loss terms.
+
+``scale`` and ``divisor``: a logit scale between the classifier and the loss, ``linear(...) * scale / divisor``
+before the softcap (Cohere's ``logit_scale``, Granite's ``logits_scaling``). It is an argument rather than folded
+into the hidden states or the classifier: a folded copy would be an [N, D] or [V, D] tensor autograd saves, rounded
+before the GEMM where the model rounds after it. Inside, the loss sees x·m with m = scale / divisor in fp32, and
+the backward multiplies by m in its chain rule: no tensor more, no gradient approximated.
 
 Autograd saves hidden, weight, bias, targets and the [N] log-sum-exp, never logits; the backward op
 recomputes them chunk by chunk. On CUDA the forward is a Triton kernel that Inductor emits in its output
@@ -86,12 +92,13 @@ def cce_rows_reference(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.forward(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
+    return reference.forward(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap, scale)
 
 
 @cce_rows_reference.register_fake
-def _(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap):
+def _(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap, scale=1.0):
     rows = hidden.new_empty(hidden.shape[0], dtype=reference.compute_dtype(hidden.dtype))
     return rows, torch.empty_like(rows)
 
@@ -114,18 +121,21 @@ def cce_backward_rows(
     filter_eps: float = 0.0,
     grad_logits: torch.Tensor | None = None,
     round_logits: bool = False,
+    scale: float = 1.0,
+    logits_transformed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The CPU reference recomputes logits with the forward's own matmul, so they are rounded as it rounded them.
     needs = (need_hidden, need_weight, need_bias)
     return reference.backward(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
-        grad_logits,
+        grad_logits, scale, logits_transformed,
     )
 
 
 @cce_backward_rows.register_fake
 def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-      need_hidden, need_weight, need_bias, filter_eps=0.0, grad_logits=None, round_logits=False):
+      need_hidden, need_weight, need_bias, filter_eps=0.0, grad_logits=None, round_logits=False, scale=1.0,
+      logits_transformed=False):
     return _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias)
 
 
@@ -133,14 +143,16 @@ if HAS_TRITON:
 
     @cce_backward_rows.register_kernel("cuda")
     def _(hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-          need_hidden, need_weight, need_bias, filter_eps=0.0, grad_logits=None, round_logits=False):
+          need_hidden, need_weight, need_bias, filter_eps=0.0, grad_logits=None, round_logits=False, scale=1.0,
+          logits_transformed=False):
         needs = (need_hidden, need_weight, need_bias)
         return kernels.backward(
             hidden, weight, bias, targets, lse, grad_rows, grad_lse, label_smoothing, softcap, needs, filter_eps,
-            grad_logits, round_logits,
+            grad_logits, round_logits, scale, logits_transformed,
         )
 
-    def warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, filter_eps=0.0, round_logits=False):
+    def warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, filter_eps=0.0, round_logits=False,
+                      scale=1.0):
         """The kernels ``cce_backward_rows`` launches on CUDA for a call of these inputs (``precompile.py``)."""
         rows = hidden.new_empty(hidden.shape[0], dtype=reference.compute_dtype(hidden.dtype))
         needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
@@ -148,13 +160,13 @@ if HAS_TRITON:
             return
         kernels.backward(
             hidden, weight, bias, targets.long(), rows, rows, rows, label_smoothing, softcap, needs, filter_eps,
-            None, round_logits,
+            None, round_logits, scale,
         )
 
     @precompile.warmer("cce")
     def _(hidden, weight, bias, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
-          filter_eps=0.0):
-        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, filter_eps)
+          filter_eps=0.0, scale=1.0, divisor=1.0):
+        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, filter_eps, scale=scale / divisor)
 
 
 def _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
@@ -166,7 +178,7 @@ def _empty_grads(hidden, weight, bias, need_hidden, need_weight, need_bias):
     )
 
 
-def _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap) -> None:
+def _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap, scale=1.0, divisor=1.0) -> None:
     torch._check(hidden.dim() == 2, lambda: f"memopt.cce: hidden must be [N, D], got {tuple(hidden.shape)}")
     torch._check(weight.dim() == 2, lambda: f"memopt.cce: weight must be [V, D], got {tuple(weight.shape)}")
     torch._check(
@@ -188,6 +200,7 @@ def _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, sof
     torch._check(reduction in REDUCTIONS, lambda: f"memopt.cce: reduction must be one of {REDUCTIONS}")
     torch._check(0.0 <= label_smoothing <= 1.0, lambda: "memopt.cce: label_smoothing must be in [0, 1]")
     torch._check(softcap is None or softcap > 0, lambda: "memopt.cce: softcap must be positive")
+    reference.check_logit_scale(scale, divisor)
 
 
 def _reduce(losses: torch.Tensor, valid: torch.Tensor, reduction: str) -> torch.Tensor:
@@ -217,16 +230,21 @@ def cce(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     filter_eps: float = 0.0,
+    scale: float = 1.0,
+    divisor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap, scale, divisor)
     torch._check(filter_eps >= 0.0, lambda: "memopt.cce: filter_eps must be ≥ 0")
     targets = targets.long()  # any integer dtype, as PyTorch's cross_entropy accepts Byte as well as Long
+    multiplier = scale / divisor
     if HAS_TRITON and on_cuda(hidden, weight, targets):
         targets = torch.ops.memopt.cce_checked_targets(targets, weight.shape[0], ignore_index)
-        losses, lse = kernels.forward_rows(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
+        losses, lse = kernels.forward_rows(
+            hidden, weight, bias, targets, ignore_index, label_smoothing, softcap, multiplier
+        )
     else:
         losses, lse = torch.ops.memopt.cce_rows_reference(
-            hidden, weight, bias, targets, ignore_index, label_smoothing, softcap
+            hidden, weight, bias, targets, ignore_index, label_smoothing, softcap, multiplier
         )
     return _reduce(losses, targets != ignore_index, reduction), lse
 
@@ -250,27 +268,30 @@ def cce_backward(
     filter_eps: float = 0.0,
     grad_logits: torch.Tensor | None = None,
     round_logits: bool = False,
+    scale: float = 1.0,
+    logits_transformed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     targets = targets.long()
     grad_rows = _grad_rows(grad_loss, targets != ignore_index, reduction)
     return torch.ops.memopt.cce_backward_rows(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap,
-        need_hidden, need_weight, need_bias, filter_eps, grad_logits, round_logits,
+        need_hidden, need_weight, need_bias, filter_eps, grad_logits, round_logits, scale, logits_transformed,
     )
 
 
-def save_for_backward(ctx, inputs, output) -> None:
-    """What both CCE ops keep for the backward: hidden, weight, bias, targets and the [N] log-sum-exp."""
+def save_for_backward(ctx, inputs, output, scale: float = 1.0, logits_transformed: bool = False) -> None:
+    """What both CCE ops keep for the backward: hidden, weight, bias, targets and the [N] log-sum-exp; the logit
+    scale m (a Python float) and whether returned logits were transformed as the loss's were."""
     hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap = inputs[:8]
     ctx.save_for_backward(hidden, weight, bias, targets, output[1])
-    ctx.options = (ignore_index, reduction, label_smoothing, softcap)
+    ctx.options = (ignore_index, reduction, label_smoothing, softcap, scale, logits_transformed)
 
 
 def input_gradients(ctx, grad_loss, grad_lse, filter_eps: float = 0.0, grad_logits=None, round_logits=False):
     """Gradients of hidden, weight and bias (None where not needed) from the saved tensors; shared by
     ``memopt.cce`` and ``memopt.cce_with_logits``, whose returned logits' gradient is ``grad_logits``."""
     hidden, weight, bias, targets, lse = ctx.saved_tensors
-    ignore_index, reduction, label_smoothing, softcap = ctx.options
+    ignore_index, reduction, label_smoothing, softcap, scale, logits_transformed = ctx.options
     need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
     need_bias = need_bias and bias is not None
     if grad_lse is None:
@@ -279,7 +300,8 @@ def input_gradients(ctx, grad_loss, grad_lse, filter_eps: float = 0.0, grad_logi
         grad_loss = lse.new_zeros(() if reduction != "none" else lse.shape)
     grad_hidden, grad_weight, grad_bias = torch.ops.memopt.cce_backward(
         hidden, weight, bias, targets, lse, grad_loss, grad_lse, ignore_index, reduction, label_smoothing,
-        softcap, need_hidden, need_weight, need_bias, filter_eps, grad_logits, round_logits,
+        softcap, need_hidden, need_weight, need_bias, filter_eps, grad_logits, round_logits, scale,
+        logits_transformed,
     )
     return (
         grad_hidden if need_hidden else None,
@@ -289,12 +311,13 @@ def input_gradients(ctx, grad_loss, grad_lse, filter_eps: float = 0.0, grad_logi
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    save_for_backward(ctx, inputs, output)
+    scale, divisor = inputs[9:11]
+    save_for_backward(ctx, inputs, output, scale / divisor)
     ctx.filter_eps = inputs[8]
 
 
 def _backward(ctx, grad_loss, grad_lse):
-    return (*input_gradients(ctx, grad_loss, grad_lse, ctx.filter_eps), None, None, None, None, None, None)
+    return (*input_gradients(ctx, grad_loss, grad_lse, ctx.filter_eps), *[None] * 8)
 
 
 cce.register_autograd(_backward, setup_context=_setup_context)

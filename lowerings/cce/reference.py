@@ -7,13 +7,17 @@ and a chunk's temporaries stay within ``chunk_budget`` bytes, 1/``FRACTION`` of 
 the per-row loss terms and the log-sum-exp; backward recomputes each chunk's logits from the hidden states
 and the classifier (Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models").
 
-Math, for one row with logits z (after the optional softcap z = c·tanh(x/c)), target t, smoothing ε:
+Math, for one row of classifier outputs x, logits z = x·m (m, the logit scale: Cohere's ``logit_scale``, Granite's
+1/``logits_scaling``), after the optional softcap z = c·tanh(x·m/c), target t, smoothing ε:
     lse  = log Σ_j exp z_j
     loss = (1 − ε)(lse − z_t) + ε(lse − mean_j z_j)          (ε = 0: plain cross-entropy)
     ∂loss/∂z_j = softmax(z)_j − (1 − ε)·[j = t] − ε/V,       ∂lse/∂z_j = softmax(z)_j
+    ∂z_j/∂x_j  = m·(1 − tanh²(x_j·m/c))                      (m without a softcap)
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -97,15 +101,19 @@ def _chunk_logits(
 
 
 def row_terms_(
-    z: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row loss (0 on ignored rows) and log-sum-exp of a chunk's logits ``z`` [rows, V] in the compute dtype,
-    in place: ``z`` is softcapped, then left holding exp(z − max); the third result is its row sums, so that
-    ``z / sums`` is the softmax. The log-sum-exp is ``torch.logsumexp``'s (an all −inf row keeps −inf).
+    in place: ``z`` is scaled and softcapped, then left holding exp(z − max); the third result is its row sums, so
+    that ``z / sums`` is the softmax. The log-sum-exp is ``torch.logsumexp``'s (an all −inf row keeps −inf).
 
     The one loss computation of the chunked forward, ``cce_with_logits`` on CPU and the row-wise op."""
-    if softcap is not None:
-        z.div_(softcap).tanh_().mul_(softcap)
+    scale_and_cap_(z, scale, softcap)
     valid = valid_rows(targets, ignore_index)
     target_logit = z.gather(1, torch.where(valid, targets, 0).unsqueeze(1)).squeeze(1)
     mean_logit = z.mean(dim=-1) if label_smoothing else None
@@ -117,6 +125,49 @@ def row_terms_(
     if mean_logit is not None:
         loss = loss + label_smoothing * (lse - mean_logit)
     return torch.where(valid, loss, 0.0), lse, sums
+
+
+def scale_and_cap_(z: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """``z`` ← c·tanh(z·m/c) (``z·m`` without a softcap) in place, in ``z``'s dtype: the loss's view of the
+    classifier's outputs, in the compute dtype. Passes that change nothing are skipped."""
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def check_logit_scale(scale: float, divisor: float) -> None:
+    """A logit scale ``scale / divisor`` the ops take: finite and positive. A negative one would flip the softmax
+    (no language model's head does that), and the row-wise kernel keeps its gradient scale inside a logarithm."""
+    torch._check(
+        math.isfinite(scale) and math.isfinite(divisor) and scale > 0 and divisor > 0,
+        lambda: f"memopt.cce: the logit scale must be positive and finite, got {scale} / {divisor}",
+    )
+
+
+def transformed_logits(logits: torch.Tensor, scale: float, divisor: float, softcap: float | None) -> torch.Tensor:
+    """The logits a graph returns after its classifier: ``tanh(logits · scale / divisor / c) · c`` as the model
+    wrote it, one op at a time in the logits' dtype (each rounded, as eager rounds them). Ops that would change
+    nothing (a scale of 1, no softcap) are left out, so the classifier's logits come back as they are."""
+    if scale != 1.0:
+        logits = logits * scale
+    if divisor != 1.0:
+        logits = logits / divisor
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def transform_logits_(logits: torch.Tensor, scale: float, divisor: float, softcap: float | None) -> torch.Tensor:
+    """``transformed_logits`` in place, for the opaque ops that own the buffer: no second N×V tensor."""
+    if scale != 1.0:
+        logits.mul_(scale)
+    if divisor != 1.0:
+        logits.div_(divisor)
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
 
 
 def _buffer(numel: int, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,15 +202,17 @@ def forward(
     ignore_index: int,
     label_smoothing: float,
     softcap: float | None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (0 on ignored rows) and per-row log-sum-exp, both [N] in the compute dtype.
+    """Per-row loss (0 on ignored rows) and per-row log-sum-exp, both [N] in the compute dtype, of the logits
+    scaled by ``scale`` (then softcapped).
 
     fp32 and fp64 inputs walk tiles of rows × vocabulary columns with a running log-sum-exp
     (``_forward_by_columns``), 16-bit inputs chunks of whole rows."""
     (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     check_targets(targets, vocab, ignore_index)
     if _by_columns(hidden, weight):
-        return _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap)
+        return _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap, scale)
     acc = compute_dtype(hidden.dtype)
     losses = hidden.new_empty(n_rows, dtype=acc)
     lse = torch.empty_like(losses)
@@ -169,7 +222,7 @@ def forward(
     for start in range(0, n_rows, step):
         rows = slice(start, min(start + step, n_rows))
         z = _chunk_logits(hidden[rows], weight, bias, _view(buffer, rows.stop - start, vocab))
-        losses[rows], lse[rows], _ = row_terms_(z, targets[rows], ignore_index, label_smoothing, softcap)
+        losses[rows], lse[rows], _ = row_terms_(z, targets[rows], ignore_index, label_smoothing, softcap, scale)
     return losses, lse
 
 
@@ -186,11 +239,15 @@ def backward(
     softcap: float | None,
     needs: tuple[bool, bool, bool],
     grad_logits: torch.Tensor | None = None,
+    scale: float = 1.0,
+    logits_transformed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of Σ grad_rows·loss_rows + Σ grad_lse·lse (+ Σ grad_logits·logits) w.r.t. hidden, weight, bias.
 
     ``grad_logits`` [N, V], when given, is the gradient of logits the forward returned (``cce_with_logits``);
-    it joins each chunk's logit gradient, so it costs no GEMM of its own.
+    it joins each chunk's logit gradient, so it costs no GEMM of its own. Those logits are the classifier's
+    outputs x, or with ``logits_transformed`` the scaled and softcapped z the loss saw: their gradient then goes
+    through the same chain rule as the loss's (``chain_rule_``).
 
     fp32 and fp64 inputs walk tiles of rows × vocabulary columns (``_backward_by_columns``); 16-bit inputs walk
     chunks of whole rows, so that each row's hidden-state gradient is one GEMM over the whole vocabulary rounded
@@ -204,7 +261,7 @@ def backward(
     if _by_columns(hidden, weight):
         return _backward_by_columns(
             hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
-            grad_logits,
+            grad_logits, scale, logits_transformed,
         )
     (n_rows, dim), vocab = hidden.shape, weight.shape[0]
     need_hidden, need_weight, need_bias = needs
@@ -223,9 +280,11 @@ def backward(
         count = rows.stop - start
         if slopes is None:
             dlogits = _chunk_logits(hidden[rows], weight, bias_acc, _view(buffer, count, vocab))
+            scale_and_cap_(dlogits, scale, None)
             slope = None
-        else:  # tanh(x/c) kept for the chain rule; the capped logits c·tanh(x/c) go to the other buffer
-            slope = _chunk_logits(hidden[rows], weight, bias_acc, _view(slopes, count, vocab)).div_(softcap).tanh_()
+        else:  # tanh(x·m/c) kept for the chain rule; the capped logits c·tanh(x·m/c) go to the other buffer
+            slope = _chunk_logits(hidden[rows], weight, bias_acc, _view(slopes, count, vocab))
+            slope = scale_and_cap_(slope, scale, None).div_(softcap).tanh_()
             dlogits = torch.mul(slope, softcap, out=_view(buffer, count, vocab))
         dlogits.sub_(lse[rows].unsqueeze(1)).exp_()  # probabilities
         g_loss, g_lse = grad_rows[rows].to(acc), grad_lse[rows].to(acc)
@@ -236,10 +295,8 @@ def backward(
         dlogits.scatter_add_(1, torch.where(valid, target, 0).unsqueeze(1), -onehot_grad.unsqueeze(1))
         if label_smoothing:
             dlogits.sub_((torch.where(valid, g_loss, 0.0) * (label_smoothing / vocab)).unsqueeze(1))
-        if slope is not None:
-            dlogits.mul_(slope.mul_(slope).neg_().add_(1.0))  # 1 − tanh²
-        if grad_logits is not None:
-            dlogits.add_(grad_logits[rows])
+        returned = grad_logits[rows] if grad_logits is not None else None
+        chain_rule_(dlogits, slope, scale, returned, logits_transformed)
         if need_hidden:
             _hidden_grad_into(grad_hidden[rows], dlogits, weight)
         if grad_weight is not None:
@@ -251,6 +308,28 @@ def backward(
         grad_weight.to(weight.dtype) if grad_weight is not None else weight.new_empty(0),
         grad_bias.to(bias.dtype) if grad_bias is not None and bias is not None else weight.new_empty(0),
     )
+
+
+def chain_rule_(
+    dlogits: torch.Tensor,
+    slope: torch.Tensor | None,
+    scale: float,
+    grad_logits: torch.Tensor | None,
+    logits_transformed: bool,
+) -> torch.Tensor:
+    """``dlogits`` ← the gradient w.r.t. the classifier's outputs x, in place, from the gradient w.r.t. the logits
+    z = c·tanh(x·m/c): times 1 − tanh² (``slope`` holds tanh(x·m/c) and is overwritten) and times m. The gradient of
+    returned logits joins before that chain rule where they are z (``logits_transformed``), after it where they
+    are x."""
+    if grad_logits is not None and logits_transformed:
+        dlogits.add_(grad_logits)
+    if slope is not None:
+        dlogits.mul_(slope.mul_(slope).neg_().add_(1.0))  # 1 − tanh²
+    if scale != 1.0:
+        dlogits.mul_(scale)
+    if grad_logits is not None and not logits_transformed:
+        dlogits.add_(grad_logits)
+    return dlogits
 
 
 def _hidden_grad_into(out: torch.Tensor, dlogits: torch.Tensor, weight: torch.Tensor) -> None:
@@ -284,7 +363,7 @@ def tile_shape(n_rows: int, vocab: int, room: int, per_logit: int, per_row: int)
 
 def _backward_by_columns(
     hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
-    grad_logits,
+    grad_logits, scale, logits_transformed,
 ):
     """``backward`` for fp32/fp64 inputs over tiles of rows × vocabulary columns (the CUDA kernels' order).
 
@@ -309,7 +388,7 @@ def _backward_by_columns(
         target, row_lse = targets[rows], lse[rows].unsqueeze(1)
         valid = valid_rows(target, ignore_index)
         g_loss = torch.where(valid, grad_rows[rows].to(acc), 0.0)
-        scale = (grad_rows[rows].to(acc) + grad_lse[rows].to(acc)).unsqueeze(1)
+        upstream = (grad_rows[rows].to(acc) + grad_lse[rows].to(acc)).unsqueeze(1)
         onehot_grad = g_loss * -(1.0 - label_smoothing)
         smoothing = (g_loss * (label_smoothing / vocab)).unsqueeze(1) if label_smoothing else None
         target_cols, by_column = _targets_by_column(target, valid, vocab)
@@ -319,20 +398,19 @@ def _backward_by_columns(
             tile_bias = bias[cols] if bias is not None else None
             if slopes is None:
                 dlogits = _chunk_logits(hidden[rows], weight[cols], tile_bias, _view(buffer, count, width))
+                scale_and_cap_(dlogits, scale, None)
                 slope = None
-            else:  # tanh(x/c) kept for the chain rule; the capped logits c·tanh(x/c) go to the other buffer
+            else:  # tanh(x·m/c) kept for the chain rule; the capped logits c·tanh(x·m/c) go to the other buffer
                 slope = _chunk_logits(hidden[rows], weight[cols], tile_bias, _view(slopes, count, width))
-                slope.div_(softcap).tanh_()
+                scale_and_cap_(slope, scale, None).div_(softcap).tanh_()
                 dlogits = torch.mul(slope, softcap, out=_view(buffer, count, width))
-            dlogits.sub_(row_lse).exp_().mul_(scale)  # probabilities × upstream gradient
+            dlogits.sub_(row_lse).exp_().mul_(upstream)  # probabilities × upstream gradient
             hits, local = _tile_targets(target_cols, by_column, cols)
             dlogits.index_put_((hits, local), onehot_grad[hits], accumulate=True)
             if smoothing is not None:
                 dlogits.sub_(smoothing)
-            if slope is not None:
-                dlogits.mul_(slope.mul_(slope).neg_().add_(1.0))  # 1 − tanh²
-            if grad_logits is not None:
-                dlogits.add_(grad_logits[rows, cols])
+            returned = grad_logits[rows, cols] if grad_logits is not None else None
+            chain_rule_(dlogits, slope, scale, returned, logits_transformed)
             if need_hidden:
                 grad_hidden[rows].addmm_(dlogits, weight[cols])
             if need_weight:
@@ -363,7 +441,7 @@ def _tile_targets(target_cols: torch.Tensor, by_column: torch.Tensor, cols: slic
     return by_column[low:high], target_cols[low:high] - cols.start
 
 
-def _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap):
+def _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoothing, softcap, scale):
     """``forward`` for fp32/fp64 inputs over tiles of rows × vocabulary columns, with a running max and sum per row
     (the online log-sum-exp of flash attention, Milakov & Gimelshein 2018): the classifier GEMM runs over every row
     of a tile at once rather than over row chunks of ~1/8 of the logits."""
@@ -388,8 +466,7 @@ def _forward_by_columns(hidden, weight, bias, targets, ignore_index, label_smoot
             cols = slice(first, min(first + step_cols, vocab))
             tile_bias = bias[cols] if bias is not None else None
             z = _chunk_logits(hidden[rows], weight[cols], tile_bias, _view(buffer, count, cols.stop - first))
-            if softcap is not None:
-                z.div_(softcap).tanh_().mul_(softcap)
+            scale_and_cap_(z, scale, softcap)
             hits, local = _tile_targets(target_cols, by_column, cols)
             target_logit[hits] = z[hits, local]
             if logit_sum is not None:

@@ -2,7 +2,7 @@
 
     loss, grad_hidden, grad_weight, grad_bias, logits = torch.ops.memopt.cce_rowwise(
         hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap,
-        need_hidden, need_weight, need_bias, return_logits)
+        need_hidden, need_weight, need_bias, return_logits, scale, divisor, transform_logits)
 
 For a scalar loss (``reduction`` "mean" or "sum") the gradient of the loss is known up to the one upstream
 scalar as soon as the logits are: the forward walks the rows in chunks, forms a chunk's logits with one GEMM,
@@ -26,6 +26,11 @@ gradient is read from them into a chunk-sized buffer: still 6·N·D·V FLOPs, an
 for the backward. The returned logits are not differentiable here. Their own gradient, when a caller uses them,
 is added by ``fxpass.returned_logits`` outside the compiled graph, so that logits the caller drops cost no
 backward work and no zero-filled N×V gradient.
+
+``scale``, ``divisor`` and ``transform_logits`` as in ``memopt.cce_with_logits``: the loss is taken over
+c·tanh(x·scale/divisor/c), and with ``transform_logits`` the returned logits are those, transformed in place in
+their own buffer once each chunk has read them (on CUDA by the chunk kernel's second sweep, which reads them
+anyway; elsewhere op by op in their dtype, as the model wrote it). No second N×V tensor either way.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ if HAS_TRITON:
 SCALAR_REDUCTIONS = ("mean", "sum")
 # A chunk of rows holds its logits and their fp32 copy within 1/FRACTION of the N×V logits (4: each chunk adds
 # its product into the fp32 ∂C, so fewer chunks mean fewer passes over it; 1022 → 2048 rows took V = 128256 from
-# 27.5 to 24.7 ms on the H200, `benchmarks/cce_tune.py --rowwise`), under CHUNK_BYTES
+# 27.5 to 24.7 ms on the H200, `benchmarks/tools/cce_tune.py --rowwise`), under CHUNK_BYTES
 # (larger on CUDA, where GEMMs want a few hundred rows) or under ∂C's size in the input dtype where that is larger
 # (the backward holds that cast beside the fp32 ∂C, so a chunk up to its size adds nothing to the op's peak:
 # V = 256000, D = 2304 then takes 4 chunks instead of 7), and is at least one row.
@@ -54,7 +59,7 @@ CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
 # MIN_GEMM_ROWS rows on CUDA (fewer make ∂C's fp32 accumulation bound by memory: each chunk reads and writes ∂C, and
 # a chunk of r rows does r/4 FLOPs a byte of it, against the H200's ~170 FLOPs a byte at cuBLAS's rate). 2048, not
 # 1024: at the Llama-3.2-1B shape a 1024-row chunk's ∂E and ∂C GEMMs take 1.61 ms against 2.93 for 2048 rows
-# (`benchmarks/cce_tune.py --rowwise`), and FSDP2's step (the head alone in its graph) went from 1.01-1.02×
+# (`benchmarks/tools/cce_tune.py --rowwise`), and FSDP2's step (the head alone in its graph) went from 1.01-1.02×
 # torch.compile's time to 0.99× (one run), its peak from 0.87× to 0.88×
 # (`benchmarks/e2e.py --models llama-1b --flows fsdp`).
 RETURNED_FRACTION = 16
@@ -246,14 +251,18 @@ def _chunk_gradient_(
     label_smoothing: float,
     softcap: float | None,
     grad_scale: torch.Tensor,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Σ of the chunk's loss terms; the chunk's logits ``z`` (compute dtype) become ``grad_scale`` · ∂(Σ loss)/∂z
-    in place, in five passes over them where there is no softcap and no smoothing (max, subtract, exp, sum, scale).
+    """Σ of the chunk's loss terms; the chunk's classifier outputs ``z`` (compute dtype) become ``grad_scale`` ·
+    ∂(Σ loss)/∂z in place, in five passes over them where there is no softcap, scale or smoothing (max, subtract,
+    exp, sum, scale).
 
     loss = (1 − ε)(lse − z_t) + ε(lse − mean z); ∂/∂z = softmax − (1 − ε)·onehot − ε/V, times 1 − tanh² under the
-    softcap z = c·tanh(x/c); ignored rows contribute nothing."""
+    softcap z = c·tanh(x·m/c) and times the logit scale m; ignored rows contribute nothing."""
     vocab = z.shape[1]
     slope = None
+    if logit_scale != 1.0:
+        z.mul_(logit_scale)
     if softcap is not None:  # applied here rather than in row_terms_, to keep tanh for the chain rule
         z.div_(softcap).tanh_()
         slope = 1.0 - z.square()  # a second buffer, only under a softcap
@@ -261,7 +270,7 @@ def _chunk_gradient_(
     loss, _, sums = reference.row_terms_(z, targets, ignore_index, label_smoothing, None)
     valid = reference.valid_rows(targets, ignore_index)
     index = torch.where(valid, targets, 0).unsqueeze(1)
-    scale = torch.where(valid, grad_scale, 0.0)  # per row: ignored rows get a zero gradient
+    scale = torch.where(valid, grad_scale * logit_scale, 0.0)  # per row: ignored rows get a zero gradient
     z.mul_((scale / sums).unsqueeze(1))  # z held exp(z − max): now the scaled softmax
     z.scatter_add_(1, index, (scale * -(1.0 - label_smoothing)).unsqueeze(1))
     if label_smoothing:
@@ -285,8 +294,11 @@ def cce_rowwise(
     need_weight: bool,
     need_bias: bool,
     return_logits: bool = False,
+    scale: float = 1.0,
+    divisor: float = 1.0,
+    transform_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap, scale, divisor)
     torch._check(reduction in SCALAR_REDUCTIONS, lambda: "memopt.cce_rowwise: the loss must be a scalar (mean or sum)")
     targets = targets.long()
     n_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -304,10 +316,12 @@ def cce_rowwise(
     grad_bias = weight.new_zeros(vocab, dtype=acc) if need_bias and bias is not None else weight.new_empty(0)
     valid = reference.valid_rows(targets, ignore_index)
     # mean: every row's gradient carries 1 / (valid rows), known before the first chunk (0/0 → NaN as PyTorch)
-    scale = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
-    grad_scale = torch.nan_to_num(scale, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
+    mean = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
+    grad_scale = torch.nan_to_num(mean, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
     fused = _kernel_serves(hidden.device.type, hidden.dtype)
+    multiplier = scale / divisor  # the logit scale m
+    transform = return_logits and transform_logits and (scale, divisor, softcap) != (1.0, 1.0, None)
     step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, hidden.device.type)
     all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
     chunk_buffer = None
@@ -324,7 +338,10 @@ def cce_rowwise(
             source = all_logits[rows, :vocab]
         logits = padded[:, :vocab]
         if fused:  # loss terms and the scaled gradient in one kernel (in place unless the logits are returned)
-            terms = row_gradient_(logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale, source)
+            terms = row_gradient_(
+                logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale, source, multiplier,
+                transform,
+            )
             total += terms.sum()
             if grad_bias.numel():  # from the gradient as the GEMMs see it, rounded, as the eager backward sums it
                 grad_bias += logits.sum(dim=0, dtype=acc)
@@ -333,9 +350,13 @@ def cce_rowwise(
                 grad = logits if source is None else logits.copy_(source)
             else:
                 grad = (logits if source is None else source).to(acc, copy=True)
-            total += _chunk_gradient_(grad, targets[rows], ignore_index, label_smoothing, softcap, grad_scale)
+            total += _chunk_gradient_(
+                grad, targets[rows], ignore_index, label_smoothing, softcap, grad_scale, multiplier
+            )
             if grad is not logits:
                 logits.copy_(grad)  # padding columns still zero
+            if transform:  # the chunk's returned logits, now that its gradient is taken from them
+                reference.transform_logits_(source, scale, divisor, softcap)
         if need_hidden:
             torch.mm(padded, weight_rows, out=grad_hidden[rows])
         if need_weight:
@@ -346,12 +367,12 @@ def cce_rowwise(
         padded = logits = grad = None
     grad_weight = grad_weight_rows[:vocab] if need_weight else grad_weight_rows
     returned = all_logits[:, :vocab] if all_logits is not None else hidden.new_empty(0)
-    return total * scale, grad_hidden, grad_weight, grad_bias, returned
+    return total * mean, grad_hidden, grad_weight, grad_bias, returned
 
 
 @cce_rowwise.register_fake
 def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden, need_weight,
-      need_bias, return_logits=False):
+      need_bias, return_logits=False, scale=1.0, divisor=1.0, transform_logits=False):
     acc = reference.compute_dtype(hidden.dtype)
     rows, vocab = hidden.shape[0], weight.shape[0]
     return (
@@ -370,7 +391,7 @@ if HAS_TRITON:
 
     @precompile.warmer("cce_rowwise")
     def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden,
-          need_weight, need_bias, return_logits=False):
+          need_weight, need_bias, return_logits=False, scale=1.0, divisor=1.0, transform_logits=False):
         """The chunk kernel at each chunk height the op's loop takes on CUDA (the last may be shorter). Its
         backward's scaling is traced, hence Inductor's to compile."""
         n_rows, vocab = hidden.shape[0], weight.shape[0]
@@ -378,11 +399,14 @@ if HAS_TRITON:
             return
         step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, "cuda")
         width = padded_vocab(vocab, "cuda")
-        scale = hidden.new_empty((), dtype=reference.compute_dtype(hidden.dtype))
+        grad_scale = hidden.new_empty((), dtype=reference.compute_dtype(hidden.dtype))
         for rows in {min(step, n_rows), n_rows - (n_rows - 1) // step * step}:
             source = hidden.new_empty(rows, width)[:, :vocab] if return_logits else None
             logits = hidden.new_empty(rows, width)[:, :vocab]
-            row_gradient_(logits, targets.long()[:rows], ignore_index, label_smoothing, softcap, scale, source)
+            row_gradient_(
+                logits, targets.long()[:rows], ignore_index, label_smoothing, softcap, grad_scale, source,
+                scale / divisor, return_logits and transform_logits,
+            )
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -408,7 +432,7 @@ def _scaled(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) ->
 def _backward(ctx, grad_loss, *_):
     """The upstream scalar times the gradients the forward took; nothing else is computed."""
     if grad_loss is None:  # (gradients are not materialized: an output other than the loss was differentiated)
-        return (None,) * 12
+        return (None,) * 15
     grads = []
     names = ("hidden", "weight", "bias")
     for name, saved, dtype, taken, needed in zip(
@@ -417,7 +441,7 @@ def _backward(ctx, grad_loss, *_):
         if needed and not taken:  # a gradient silently left out would be a wrong answer
             raise RuntimeError(f"memopt.cce_rowwise: {name} needs a gradient but was told need_{name}=False")
         grads.append(_scaled(saved, grad_loss, dtype) if needed and dtype is not None else None)
-    return (*grads, None, None, None, None, None, None, None, None, None)
+    return (*grads, *[None] * 12)
 
 
 cce_rowwise.register_autograd(_backward, setup_context=_setup_context)

@@ -6,6 +6,10 @@ passes over them in fp32 (an upcast copy, max, exp, sums, gather, divide, scatte
 running max and sum of exponentials (online softmax, Milakov & Gimelshein 2018) and, with label smoothing, the
 logits' sum; the second writes ``(softmax − (1 − ε)·onehot − ε/V) · (1 − tanh²) · scale`` over the logits, in
 their dtype, ready for the two gradient GEMMs. One program owns one row.
+
+A logit scale m multiplies the logits before the softcap (x·m, then c·tanh(x·m/c)) and the gradient by the chain
+rule. Where the op returns the logits as the loss sees them (``TRANSFORM``), the second sweep writes them back over
+the returned logits it reads: the transform costs one store and no pass of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from lowerings._triton import as_fp32, tanh
 # Tiles of one row's vocabulary and warps a program (one row). The kernel was bound by exponentials (the H200's
 # 16 a clock an SM against 128 FMAs): now one an element in each sweep, masks only on the last tile, the target's
 # logit loaded once, and it runs at 3.8 TB/s of its two reads and one write of 16-bit logits (0.42 ms for 2048 ×
-# 128256 against 0.65 before; `benchmarks/cce_tune.py --chunk-kernel` on the H200: 1024 × 4 warps was the fastest
+# 128256 against 0.65 before; `benchmarks/tools/cce_tune.py --chunk-kernel` on the H200: 1024 × 4 warps was the fastest
 # without smoothing or softcap, at V = 128256 and 50257, and within 9 % of the best with both).
 BLOCK_V = 1024
 NUM_WARPS = 4
@@ -28,9 +32,9 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _capped(x, softcap, HAS_SOFTCAP: tl.constexpr):
-    """(softcapped logits, tanh(x / c)) in fp32; tanh(x / c) is 0 without a softcap."""
-    x = x.to(tl.float32)
+def _capped(x, softcap, logit_scale, HAS_SOFTCAP: tl.constexpr):
+    """(scaled and softcapped logits, tanh(x·m / c)) in fp32; tanh(x·m / c) is 0 without a softcap."""
+    x = x.to(tl.float32) * logit_scale
     if HAS_SOFTCAP:
         t = tanh(x / softcap)
         return softcap * t, t
@@ -49,14 +53,20 @@ def _sum_exp_step(z, running_max, running_sum):
 
 @triton.jit
 def _write_gradient(
-    source, base, start, cols, vocab, target, offset, keep, spread, softcap,
-    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    source, base, start, cols, vocab, target, offset, keep, spread, softcap, logit_scale,
+    MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr,
 ):
     """One tile of sweep 2: 2^(z·log2 e − offset) is the scaled softmax; the one-hot and smoothing terms come
-    already scaled. Only the last tile (``MASKED``) checks the vocabulary's end."""
+    already scaled. Only the last tile (``MASKED``) checks the vocabulary's end. ``TRANSFORM``: z replaces the
+    logits it was read from."""
     inside = start + cols < vocab
     x = tl.load(source + start + cols, mask=inside, other=0.0) if MASKED else tl.load(source + start + cols)
-    z, t = _capped(x, softcap, HAS_SOFTCAP)
+    z, t = _capped(x, softcap, logit_scale, HAS_SOFTCAP)
+    if TRANSFORM:
+        if MASKED:
+            tl.store(source + start + cols, z.to(source.dtype.element_ty), mask=inside)
+        else:
+            tl.store(source + start + cols, z.to(source.dtype.element_ty))
     grad = tl.exp2(z * LOG2E - offset) - tl.where(cols == (target - start).to(tl.int32), keep, 0.0)
     if HAS_SMOOTHING:
         grad -= spread
@@ -72,13 +82,13 @@ def _write_gradient(
 def _row_gradient_kernel(
     SRC, Z, targets, losses, scale_ptr,
     vocab, stride_src, stride_zn, ignore_index,
-    smoothing_keep, smoothing_spread, smoothing, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    smoothing_keep, smoothing_spread, smoothing, softcap, logit_scale,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Row ``program_id``: its loss term into ``losses`` and the scaled gradient of its logits (read from ``SRC``)
-    into ``Z``, which may be ``SRC`` itself."""
+    into ``Z``, which may be ``SRC`` itself (then not ``TRANSFORM``)."""
     smoothing_keep, smoothing_spread = as_fp32(smoothing_keep), as_fp32(smoothing_spread)
-    smoothing, softcap = as_fp32(smoothing), as_fp32(softcap)
+    smoothing, softcap, logit_scale = as_fp32(smoothing), as_fp32(softcap), as_fp32(logit_scale)
     row = tl.program_id(0).to(tl.int64)
     source = SRC + row * stride_src
     base = Z + row * stride_zn
@@ -91,14 +101,14 @@ def _row_gradient_kernel(
     running_sum = tl.zeros([BLOCK_V], tl.float32)
     logit_sum = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, full, BLOCK_V):
-        z, _ = _capped(tl.load(source + start + cols), softcap, HAS_SOFTCAP)
+        z, _ = _capped(tl.load(source + start + cols), softcap, logit_scale, HAS_SOFTCAP)
         z = z * LOG2E
         running_max, running_sum = _sum_exp_step(z, running_max, running_sum)
         if HAS_SMOOTHING:
             logit_sum += z
     if full < vocab:
         inside = full + cols < vocab
-        z, _ = _capped(tl.load(source + full + cols, mask=inside, other=0.0), softcap, HAS_SOFTCAP)
+        z, _ = _capped(tl.load(source + full + cols, mask=inside, other=0.0), softcap, logit_scale, HAS_SOFTCAP)
         z = z * LOG2E
         # past the vocabulary: -inf (a softcap would have mapped a masked -inf to -c)
         running_max, running_sum = _sum_exp_step(tl.where(inside, z, float("-inf")), running_max, running_sum)
@@ -106,23 +116,23 @@ def _row_gradient_kernel(
             logit_sum += tl.where(inside, z, 0.0)
     lse = (running_max + tl.log2(tl.sum(running_sum, axis=0))) / LOG2E
     safe_target = tl.where(valid, target, 0)
-    target_logit, _ = _capped(tl.load(source + safe_target), softcap, HAS_SOFTCAP)
+    target_logit, _ = _capped(tl.load(source + safe_target), softcap, logit_scale, HAS_SOFTCAP)
     loss = lse - target_logit
     if HAS_SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - tl.sum(logit_sum, axis=0) / LOG2E / vocab)
     tl.store(losses + row, tl.where(valid, loss, 0.0))
-    # Sweep 2: scale · (softmax − (1 − ε)·onehot − ε/V) · (1 − tanh²), with the scale inside the exponential
+    # Sweep 2: scale · m · (softmax − (1 − ε)·onehot − ε/V) · (1 − tanh²), with the scale inside the exponential
     # (a zero scale, an ignored row, gives 2^-inf = 0).
-    scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32), 0.0)
+    scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32) * logit_scale, 0.0)
     offset = lse * LOG2E - tl.log2(scale)
     keep = smoothing_keep * scale
     spread = smoothing_spread * scale
     for start in range(0, full, BLOCK_V):
-        _write_gradient(source, base, start, cols, vocab, safe_target, offset, keep, spread, softcap,
-                        False, HAS_SOFTCAP, HAS_SMOOTHING)
+        _write_gradient(source, base, start, cols, vocab, safe_target, offset, keep, spread, softcap, logit_scale,
+                        False, HAS_SOFTCAP, HAS_SMOOTHING, TRANSFORM)
     if full < vocab:
-        _write_gradient(source, base, full, cols, vocab, safe_target, offset, keep, spread, softcap,
-                        True, HAS_SOFTCAP, HAS_SMOOTHING)
+        _write_gradient(source, base, full, cols, vocab, safe_target, offset, keep, spread, softcap, logit_scale,
+                        True, HAS_SOFTCAP, HAS_SMOOTHING, TRANSFORM)
 
 
 def row_gradient_(
@@ -133,12 +143,17 @@ def row_gradient_(
     softcap: float | None,
     scale: torch.Tensor,
     source: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    transform: bool = False,
 ) -> torch.Tensor:
     """Overwrite ``logits`` [rows, V] (contiguous rows) with ``scale · ∂loss/∂logits`` and return the rows' loss
     terms [rows] in fp32 (0 on ignored rows). ``scale`` is a one-element tensor on the logits' device: the mean's
     1 / (valid rows) is known on the device only. With ``source`` (logits of the same shape, rows contiguous) the
-    logits are read from there and ``logits`` is only written: the returned-logits case, whose logits must stay."""
+    logits are read from there and ``logits`` is only written: the returned-logits case, whose logits must stay,
+    or with ``transform`` become c·tanh(x·m/c). The loss is taken over the logits times ``logit_scale`` m (then
+    softcapped), and the gradient is w.r.t. the logits as read."""
     rows, vocab = logits.shape
+    torch._check(not transform or source is not None, lambda: "row_gradient_: transform needs returned logits")
     source = logits if source is None else source
     losses = torch.empty(rows, device=logits.device, dtype=torch.float32)
     if rows == 0:
@@ -147,8 +162,8 @@ def row_gradient_(
     eager(_row_gradient_kernel)[(rows,)](
         source, logits, targets, losses, scale,
         vocab, source.stride(0), logits.stride(0), ignore_index,
-        keep, label_smoothing / vocab, label_smoothing, softcap if softcap is not None else 1.0,
-        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0,
+        keep, label_smoothing / vocab, label_smoothing, softcap if softcap is not None else 1.0, logit_scale,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0, TRANSFORM=transform,
         BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)), num_warps=NUM_WARPS,
     )
     return losses

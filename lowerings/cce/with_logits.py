@@ -2,7 +2,8 @@
 
     loss, lse, logits = torch.ops.memopt.cce_with_logits(hidden, weight, bias, targets, ignore_index,
                                                          reduction, label_smoothing, softcap,
-                                                         detach_logits, logits_dtype)
+                                                         detach_logits, logits_dtype,
+                                                         scale, divisor, transform_logits)
 
 A whole model compiled as it is returns the logits beside the loss (HF's ``ModelOutput``, nanoGPT's
 ``(logits, loss)``), and most callers drop them (``loss = model(...).loss``, HF Trainer). The forward computes
@@ -34,6 +35,13 @@ classifier's output is cast, as the graph did. Where fp32 rows of the vocabulary
 (GPT-2's 50257 classes), cuBLAS's GEMM into them takes a slow path, so ``memopt.fp32_logits_by_row_chunks``
 writes row chunks into an aligned buffer and copies them into place.
 
+``scale``, ``divisor`` and ``transform_logits``: the loss is taken over c·tanh(x·scale/divisor/c) (without a softcap,
+x·scale/divisor), as ``memopt.cce`` takes it. Where the model returns the logits after that transform (Gemma 2's
+final softcap, Cohere's ``logit_scale``, Granite's ``logits_scaling``), ``transform_logits`` returns them so: the
+classifier's output transformed op by op in its dtype, as the model wrote it (``reference.transformed_logits``), and
+the gradient that reaches them goes through the same chain rule as the loss's (``reference.chain_rule_``).
+Otherwise the classifier's own output comes back, and its gradient joins after the chain rule.
+
 CUDA: Inductor traces the body, so the fp32 upcast, softcap and log-sum-exp fuse into one reduction over the
 logits (run eagerly, that upcast is a transient fp32 [N, V]). CPU: an opaque op takes the loss over row chunks
 of the reference's size, in place, so ``working_set`` charges both ops alike.
@@ -51,12 +59,19 @@ from lowerings.cce.rowwise import padded_rows
 
 
 def row_terms(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss (0 on ignored rows) and log-sum-exp of [rows, V] logits, in the compute dtype: the functional
-    twin of ``reference.row_terms_`` for the traced CUDA body, written without in-place updates of a copy so that
-    Inductor can fuse the upcast into the reductions."""
+    """Per-row loss (0 on ignored rows) and log-sum-exp of [rows, V] logits scaled by ``scale``, in the compute
+    dtype: the functional twin of ``reference.row_terms_`` for the traced CUDA body, written without in-place
+    updates of a copy so that Inductor can fuse the upcast into the reductions."""
     z = logits.to(reference.compute_dtype(logits.dtype))
+    if scale != 1.0:
+        z = z * scale
     if softcap is not None:
         z = torch.tanh(z / softcap) * softcap
     lse = torch.logsumexp(z, dim=-1)
@@ -70,7 +85,12 @@ def row_terms(
 
 @reference_op("cce_rows_from_logits")
 def cce_rows_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float, softcap: float | None
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss terms over row chunks sized as the reference's (``reference.chunk_rows``), one buffer each."""
     n_rows, vocab = logits.shape
@@ -81,12 +101,14 @@ def cce_rows_from_logits(
     for start in range(0, n_rows, step):
         rows = slice(start, start + step)
         z = logits[rows].to(reference.compute_dtype(logits.dtype), copy=True)  # the chunk's one buffer
-        losses[rows], lse[rows], _ = reference.row_terms_(z, targets[rows], ignore_index, label_smoothing, softcap)
+        losses[rows], lse[rows], _ = reference.row_terms_(
+            z, targets[rows], ignore_index, label_smoothing, softcap, scale
+        )
     return losses, lse
 
 
 @cce_rows_from_logits.register_fake
-def _(logits, targets, ignore_index, label_smoothing, softcap):
+def _(logits, targets, ignore_index, label_smoothing, softcap, scale=1.0):
     rows = logits.new_empty(logits.shape[0], dtype=reference.compute_dtype(logits.dtype))
     return rows, torch.empty_like(rows)
 
@@ -171,20 +193,29 @@ def cce_with_logits(
     softcap: float | None = None,
     detach_logits: bool = False,
     logits_dtype: torch.dtype | None = None,
+    scale: float = 1.0,
+    divisor: float = 1.0,
+    transform_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap)
+    _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap, scale, divisor)
     targets = targets.long()
+    multiplier = scale / divisor
     logits = classifier_logits(hidden, weight, bias, logits_dtype)
     if on_cuda(hidden, weight, targets):
         targets = torch.ops.memopt.cce_checked_targets(targets, weight.shape[0], ignore_index)
-        losses, lse = row_terms(logits, targets, ignore_index, label_smoothing, softcap)
+        losses, lse = row_terms(logits, targets, ignore_index, label_smoothing, softcap, multiplier)
     else:
-        losses, lse = torch.ops.memopt.cce_rows_from_logits(logits, targets, ignore_index, label_smoothing, softcap)
+        losses, lse = torch.ops.memopt.cce_rows_from_logits(
+            logits, targets, ignore_index, label_smoothing, softcap, multiplier
+        )
+    if transform_logits:  # after the loss terms, which read the classifier's output
+        logits = reference.transformed_logits(logits, scale, divisor, softcap)
     return _reduce(losses, targets != ignore_index, reduction), lse, logits
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    save_for_backward(ctx, inputs, output)
+    scale, divisor, transform_logits = inputs[10:13]
+    save_for_backward(ctx, inputs, output, scale / divisor, transform_logits)
     # the backward recomputes the logits as the forward took its log-sum-exp from them: rounded to the operands'
     # dtype, unless the GEMM wrote its fp32 accumulators (logits_dtype)
     ctx.round_logits = not gemm_writes_fp32(inputs[0], inputs[1], inputs[9])
@@ -197,7 +228,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad_loss, grad_lse, grad_logits):
     # grad_logits: None, or (traced) a tangent that may be zeros for logits the caller dropped: added once per
     # chunk, it costs no GEMM.
-    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, ctx.round_logits), *[None] * 7)
+    return (*input_gradients(ctx, grad_loss, grad_lse, 0.0, grad_logits, ctx.round_logits), *[None] * 10)
 
 
 cce_with_logits.register_autograd(_backward, setup_context=_setup_context)
@@ -208,6 +239,7 @@ if HAS_TRITON:
 
     @precompile.warmer("cce_with_logits")
     def _(hidden, weight, bias, targets, ignore_index=-100, reduction="mean", label_smoothing=0.0, softcap=None,
-          detach_logits=False, logits_dtype=None):
+          detach_logits=False, logits_dtype=None, scale=1.0, divisor=1.0, transform_logits=False):
         rounded = not gemm_writes_fp32(hidden, weight, logits_dtype)
-        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, round_logits=rounded)
+        warm_backward(hidden, weight, bias, targets, label_smoothing, softcap, round_logits=rounded,
+                      scale=scale / divisor)

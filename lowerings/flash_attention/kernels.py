@@ -16,6 +16,13 @@ and only the blocks that straddle it (or the ragged end of the keys) pay for a m
 masked (a -inf bias) gets output 0 and lse -inf. Dropout keeps element (b, h, i, j) iff
 tl.rand(seed, ((b·Hq + h)·Tq + i)·Tk + j) ≥ p, so the backward redraws the forward's mask instead of storing it.
 
+A sliding window of w keys (with causal: query i sees keys i − w < j ≤ i, as FA2's ``window_size=(w − 1, 0)``)
+adds a second band edge: key blocks wholly left of every row's window are never visited either, and only the
+blocks that straddle one of the two edges pay for a mask, so the work is O(T·w). A softcap c replaces each
+score x = q·k·scale by c·tanh(x/c) before the bias and the mask (Gemma 2; FlashAttention-3 and FlexAttention's
+``score_mod`` do the same); the backward multiplies dS by tanh's slope 1 − tanh²(x/c) before dQ and dK, while
+the bias gradient stays dS itself (the bias is added after the cap).
+
 With ``TRITON_INTERPRET=1`` (CPU tests) the kernels run in Triton's interpreter, with tiny tiles and fp32 dots.
 """
 
@@ -31,7 +38,7 @@ import triton
 import triton.language as tl
 
 from lowerings._library import interpreting, launchable
-from lowerings._triton import as_fp32, exact_fp32_products
+from lowerings._triton import as_fp32, exact_fp32_products, tanh
 
 _LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x · log2 e)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -79,15 +86,24 @@ def _kept(seed, offsets, dropout_p):
 
 @triton.jit
 def _base2_scores(
-    a, b, bias, q_idx, k_idx, len_q, len_k, stride_bm, stride_bn, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    a, b, bias, q_idx, k_idx, len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """(a bᵀ·scale + bias)·log2 e for one tile, -inf where masked.
+    """(s, t) for one tile: s = (softcap(a bᵀ·scale) + bias)·log2 e, -inf where masked; t = tanh(a bᵀ·scale / c)
+    with SOFTCAP (the backward's slope is 1 − t²), else s again.
 
     q_idx and k_idx broadcast to the tile: [M, 1] and [1, N] for a queries × keys tile, the other way round
-    for the keys × queries tile of the dK/dV kernel. Unmasked tiles lie wholly inside the keys and the causal band.
+    for the keys × queries tile of the dK/dV kernel. Unmasked tiles lie wholly inside the keys, the causal band
+    and the window. With SOFTCAP, cap_scale = scale / c and cap_out = c·log2 e; qk_scale = scale·log2 e otherwise.
     """
-    s = _dot(a, tl.trans(b), IEEE) * qk_scale
+    raw = _dot(a, tl.trans(b), IEEE)
+    if SOFTCAP:
+        t = tanh(raw * cap_scale)
+        s = t * cap_out
+    else:
+        s = raw * qk_scale
+        t = s
     if HAS_BIAS:
         inside = (q_idx < len_q) & (k_idx < len_k)
         offsets = q_idx.to(tl.int64) * stride_bm + k_idx.to(tl.int64) * stride_bn
@@ -96,28 +112,49 @@ def _base2_scores(
         allowed = k_idx < len_k
         if CAUSAL:
             allowed = allowed & (k_idx <= q_idx)
+        if WINDOW:
+            allowed = allowed & (k_idx > q_idx - window)
         s = tl.where(allowed, s, float("-inf"))
-    return s
+    return s, t
 
 
 @triton.jit
-def _key_range(start_m, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key blocks seen by query rows [start_m, start_m + BLOCK_M): [0, free) need no mask, [free, end) need one."""
+def _key_range(
+    start_m, len_k, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Key blocks seen by query rows [start_m, start_m + BLOCK_M): [lo, edge) and [free, end) need a mask,
+    [edge, free) none.
+
+    Without a window lo = edge = 0. With one, blocks before ``lo`` lie left of every row's window, and blocks from
+    ``edge`` on start right of the last row's left edge (i − w < j for every row). ``edge`` never passes ``free``;
+    where ``free`` falls below ``lo`` (more queries than keys) the last range starts at ``free`` and covers the
+    rest, masked."""
     if CAUSAL:
         end = tl.minimum(len_k, start_m + BLOCK_M)
         free = tl.minimum(start_m + 1, len_k) // BLOCK_N * BLOCK_N
     else:
         end = len_k
         free = len_k // BLOCK_N * BLOCK_N
-    return free, end
+    lo = 0
+    edge = 0
+    if WINDOW:
+        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+        edge = tl.minimum(tl.cdiv(tl.maximum(start_m + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, free)
+    return lo, edge, free, end
 
 
 @triton.jit
-def _query_range(start_n, len_q, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query blocks that see keys [start_n, start_n + BLOCK_N): [lo, mid) need a mask, [mid, len_q) need none.
+def _query_range(
+    start_n, len_q, len_k, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Query blocks that see keys [start_n, start_n + BLOCK_N): [lo, mid) and [free_end, hi) need a mask,
+    [mid, free_end) none.
 
-    Causal rows before ``lo`` see none of these keys. A ragged last key block is masked everywhere: its padding
-    keys only feed dK/dV rows that are never stored, but the mask keeps their arithmetic finite."""
+    Causal rows before ``lo`` see none of these keys; with a window, neither do rows from ``hi`` on (their window
+    starts after the block's last key), and rows up to ``free_end`` lie within every key's window. A ragged last
+    key block is masked everywhere: its padding keys only feed dK/dV rows that are never stored, but the mask
+    keeps their arithmetic finite."""
     if CAUSAL:
         lo = start_n // BLOCK_M * BLOCK_M
         mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
@@ -125,7 +162,13 @@ def _query_range(start_n, len_q, len_k, CAUSAL: tl.constexpr, BLOCK_M: tl.conste
         lo = 0
         mid = 0
     mid = tl.where(start_n + BLOCK_N > len_k, len_q, tl.minimum(mid, len_q))
-    return lo, mid
+    hi = len_q
+    free_end = len_q
+    if WINDOW:
+        hi = tl.minimum(len_q, start_n + BLOCK_N - 1 + window)
+        mid = tl.minimum(mid, hi)
+        free_end = tl.maximum(mid, tl.minimum((start_n + window) // BLOCK_M * BLOCK_M, hi))
+    return lo, mid, free_end, hi
 
 
 @triton.jit
@@ -177,10 +220,10 @@ def _dropout_seed(Seed, HAS_DROPOUT: tl.constexpr):
 @triton.jit
 def _forward_step(
     acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
-    stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr,
+    stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
 ):
     """One key block of the online softmax: rescale sum and accumulator to the new row max, then add the block.
 
@@ -191,9 +234,9 @@ def _forward_step(
         k = K.load([start_n, 0])
     else:
         k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
-    s = _base2_scores(
-        q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale,
-        MASKED, CAUSAL, HAS_BIAS, IEEE,
+    s, _ = _base2_scores(
+        q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out,
+        window, MASKED, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, IEEE,
     )
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid exp2(-inf − -inf)
@@ -215,10 +258,10 @@ def _forward_kernel(
     Q, K, V, Bias, Out, Lse, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_ob, stride_oh, stride_ot,
-    n_heads, n_kv_heads, len_q, len_k, qk_scale, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    n_heads, n_kv_heads, len_q, len_k, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Out and lse of one block of queries of one (batch, head), streaming the key blocks it can see.
 
@@ -226,6 +269,7 @@ def _forward_kernel(
     WARP_SPECIALIZE: Triton splits the unmasked key loop into producer (loads) and consumer (math) warp groups
     (``tl.range(warp_specialize=...)``; on Hopper, triton ≥ 3.4)."""
     qk_scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(dropout_p), as_fp32(keep_scale)
+    cap_scale, cap_out = as_fp32(cap_scale), as_fp32(cap_out)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     if TMA:
         q = tl.make_tensor_descriptor(
@@ -251,18 +295,24 @@ def _forward_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    free, end = _key_range(start_m, len_k, CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in tl.range(0, free, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    lo, edge, free, end = _key_range(start_m, len_k, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, edge, BLOCK_N):  # the window's left edge (none without a window)
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
-            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
-            False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
+        )
+    for start_n in tl.range(edge, free, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        acc, m_i, l_i = _forward_step(
+            acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+            False, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
     for start_n in range(free, end, BLOCK_N):
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
-            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p,
-            True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
 
     if HAS_DROPOUT:
@@ -299,10 +349,10 @@ def _delta_kernel(
 @triton.jit
 def _dq_step(
     dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
-    stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_GRAD: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dQ += dS·K for one key block, dS = P ∘ (dP − delta) with P recomputed from lse (scale applied at the end).
 
@@ -310,9 +360,9 @@ def _dq_step(
     cols = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
     v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
-    s = _base2_scores(
-        q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale,
-        MASKED, CAUSAL, HAS_BIAS, IEEE,
+    s, t = _base2_scores(
+        q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out,
+        window, MASKED, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, IEEE,
     )
     p = tl.math.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
@@ -322,6 +372,8 @@ def _dq_step(
     if BIAS_GRAD:
         inside = (rows[:, None] < len_q) & (cols[None, :] < len_k)
         tl.store(dbias + rows[:, None].to(tl.int64) * len_k + cols[None, :], ds, mask=inside)
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
     return dq + _dot(ds, k, IEEE)
 
 
@@ -330,14 +382,15 @@ def _dq_kernel(
     Q, K, V, Bias, GradOut, Lse, Delta, DQ, DBias, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt, stride_db, stride_dh, stride_dt,
-    n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BIAS_GRAD: tl.constexpr,
+    n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
     """dQ of one block of queries (pinned with dO, lse and delta), streaming the key blocks it can see; with
     BIAS_GRAD also dS into DBias, a zeroed contiguous fp32 [B, Hq, Tq, Tk] (blocks never visited stay 0)."""
     qk_scale, scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(scale), as_fp32(dropout_p), as_fp32(keep_scale)
+    cap_scale, cap_out = as_fp32(cap_scale), as_fp32(cap_out)
     start_m, rows, bh, b, h, kv = _query_block(len_q, n_heads, n_kv_heads, BLOCK_M)
     q = _load_rows(Q + b * stride_qb + h * stride_qh, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     do = _load_rows(GradOut + b * stride_gb + h * stride_gh, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
@@ -350,18 +403,24 @@ def _dq_kernel(
     dbias = DBias + bh * len_q * len_k if BIAS_GRAD else DBias
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    free, end = _key_range(start_m, len_k, CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, free, BLOCK_N):
+    lo, edge, free, end = _key_range(start_m, len_k, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, edge, BLOCK_N):
         dq = _dq_step(
             dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
-            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-            False, CAUSAL, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+        )
+    for start_n in range(edge, free, BLOCK_N):
+        dq = _dq_step(
+            dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+            False, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
         )
     for start_n in range(free, end, BLOCK_N):
         dq = _dq_step(
             dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
-            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-            True, CAUSAL, HAS_BIAS, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
         )
     _store_rows(DQ + b * stride_db + h * stride_dh, rows, len_q, stride_dt, dq * scale, HEAD_DIM, BLOCK_D)
 
@@ -369,10 +428,10 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_step(
     dk, dv, k, v, Q, GradOut, Lse, Delta, DQ, bias, seed, row_base, cols, start_m, len_q, len_k,
-    stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """dV += Pᵀ·dO and dK += dSᵀ·Q for one query block, on the transposed (keys × queries) tile.
 
@@ -382,9 +441,9 @@ def _dkdv_step(
     q = _load_rows(Q, rows, len_q, stride_qt, HEAD_DIM, BLOCK_D)
     do = _load_rows(GradOut, rows, len_q, stride_gt, HEAD_DIM, BLOCK_D)
     lse, delta = _row_stats(Lse, Delta, row_base + rows, rows < len_q)
-    s_t = _base2_scores(
-        k, q, bias, rows[None, :], cols[:, None], len_q, len_k, stride_bm, stride_bn, qk_scale,
-        MASKED, CAUSAL, HAS_BIAS, IEEE,
+    s_t, t_t = _base2_scores(
+        k, q, bias, rows[None, :], cols[:, None], len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out,
+        window, MASKED, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, IEEE,
     )
     p_t = tl.math.exp2(s_t - lse[None, :])
     dp_t = _dot(v, tl.trans(do), IEEE)
@@ -395,6 +454,8 @@ def _dkdv_step(
     else:
         dv += _dot(p_t, do, IEEE)
     ds_t = p_t * (dp_t - delta[None, :])
+    if SOFTCAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)
     dk += _dot(ds_t, q, IEEE)
     if ATOMIC_DQ:
         dims = tl.arange(0, BLOCK_D)
@@ -410,15 +471,16 @@ def _dkdv_kernel(
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
-    n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, cap_scale, cap_out, window, dropout_p, keep_scale,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """dK and dV of one block of keys of one (batch, kv head): pinned K/V, swept over the query blocks of every
     query head of the group, so the GQA sum happens in registers. With ATOMIC_DQ, dQ too: DQ is a zeroed
     contiguous fp32 [B, Hq, Tq, D], unscaled."""
     qk_scale, scale, dropout_p, keep_scale = as_fp32(qk_scale), as_fp32(scale), as_fp32(dropout_p), as_fp32(keep_scale)
+    cap_scale, cap_out = as_fp32(cap_scale), as_fp32(cap_out)
     k_blocks = tl.cdiv(len_k, BLOCK_N)
     pid = tl.program_id(0)
     start_n = (pid % k_blocks) * BLOCK_N  # causal: the first key blocks are the longest
@@ -433,7 +495,7 @@ def _dkdv_kernel(
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    lo, mid = _query_range(start_n, len_q, len_k, CAUSAL, BLOCK_M, BLOCK_N)
+    lo, mid, free_end, hi = _query_range(start_n, len_q, len_k, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
     for g in range(0, group):
         h = kv * group + g
         q_h = Q + b * stride_qb + h * stride_qh
@@ -444,14 +506,23 @@ def _dkdv_kernel(
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
-                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-                True, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_D,
+                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+                keep_scale, True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+                BLOCK_D,
             )
-        for start_m in range(mid, len_q, BLOCK_M):
+        for start_m in range(mid, free_end, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
-                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, dropout_p, keep_scale,
-                False, CAUSAL, HAS_BIAS, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M, BLOCK_D,
+                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+                keep_scale, False, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+                BLOCK_D,
+            )
+        for start_m in range(free_end, hi, BLOCK_M):  # the window's far edge (none without a window)
+            dk, dv = _dkdv_step(
+                dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
+                stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
+                keep_scale, True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+                BLOCK_D,
             )
     _store_rows(DK + b * stride_dkb + kv * stride_dkh, cols, len_k, stride_dkt, dk * scale, HEAD_DIM, BLOCK_D)
     _store_rows(DV + b * stride_dvb + kv * stride_dvh, cols, len_k, stride_dvt, dv, HEAD_DIM, BLOCK_D)
@@ -480,9 +551,11 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
 
     Forward: BLOCK_M queries pinned against BLOCK_N streamed keys. Backward: PINNED rows (queries for dQ, keys
     for dK/dV) against SWEPT streamed rows. ``extras`` (a bias or dropout) adds a tile of bias values or Philox
-    state to every step, so those launches get more warps or narrower streamed tiles.
+    state to every step, so those launches get more warps or narrower streamed tiles. A softcap (a tanh per score,
+    kept until dS) and a window (one more comparison in the masked tiles) load nothing more: they keep the
+    settings of their case (not swept with them on a GPU).
 
-    16-bit without extras: the fastest settings of ``benchmarks/attention_tune.py`` on the H200 (BENCHMARKS.md;
+    16-bit without extras: the fastest settings of ``benchmarks/tools/attention_tune.py`` on the H200 (BENCHMARKS.md;
     D = 256 from a non-causal sweep). The others come from offline sm_90 compiles (ptxas -v): within 255
     registers a thread with no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
     (pinned + stages · 2 · streamed) · D elements, within Hopper's 227 KB. fp32 at "highest"
@@ -556,12 +629,21 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _flags(q: torch.Tensor, bias, causal: bool, dropout_p: float) -> dict:
+def _flags(q: torch.Tensor, bias, causal: bool, dropout_p: float, softcap: float | None, window: int | None) -> dict:
     head_dim = q.shape[-1]
     return {
         "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "CAUSAL": causal,
-        "HAS_BIAS": bias is not None, "HAS_DROPOUT": dropout_p > 0.0, "IEEE": exact_fp32_products(q.dtype),
+        "HAS_BIAS": bias is not None, "SOFTCAP": softcap is not None, "WINDOW": window is not None,
+        "HAS_DROPOUT": dropout_p > 0.0, "IEEE": exact_fp32_products(q.dtype),
     }
+
+
+def _score_args(scale: float, softcap: float | None, window: int | None) -> tuple[float, float, int]:
+    """(cap_scale, cap_out, window) as the kernels read them: x·scale/c inside tanh and c·log2 e outside it, so the
+    capped score comes out in base 2 as the uncapped one does; zeros where unused."""
+    if softcap is None:
+        return 0.0, 0.0, window or 0
+    return scale / softcap, softcap * math.log2(math.e), window or 0
 
 
 def forward(
@@ -573,11 +655,14 @@ def forward(
     causal: bool,
     dropout_p: float,
     seed: torch.Tensor | None,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [B, Hq, Tq, D] (q's dtype) and natural-log lse [B, Hq, Tq] fp32 of softmax(q kᵀ·scale + bias) v.
+    """out [B, Hq, Tq, D] (q's dtype) and natural-log lse [B, Hq, Tq] fp32 of softmax(softcap(q kᵀ·scale) + bias) v.
 
     k, v: [B, Hk, Tk, D], Hq % Hk == 0; bias: None or a [B, Hq, Tq, Tk] view (stride-0 broadcasts are read
-    in place); seed: 1-element int64 tensor on q's device (read only when dropout_p > 0)."""
+    in place); seed: 1-element int64 tensor on q's device (read only when dropout_p > 0); softcap: c of
+    c·tanh(x/c), or None; window: w of a causal sliding window (key j seen by query i iff i − w < j ≤ i), or None."""
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     batch, n_heads, len_q, head_dim = q.shape
     n_kv_heads, len_k = k.shape[1], k.shape[2]
@@ -592,8 +677,9 @@ def forward(
     launchable(_forward_kernel)[grid](
         q, k, v, bias, out, lse, seed if dropout_p > 0.0 else None,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3],
-        n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), dropout_p, 1.0 / (1.0 - dropout_p),
-        **_flags(q, bias, causal, dropout_p), TMA=tma, WARP_SPECIALIZE=warp_specialize, **tiles,
+        n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), *_score_args(scale, softcap, window),
+        dropout_p, 1.0 / (1.0 - dropout_p),
+        **_flags(q, bias, causal, dropout_p, softcap, window), TMA=tma, WARP_SPECIALIZE=warp_specialize, **tiles,
     )
     return out, lse
 
@@ -633,6 +719,8 @@ def backward(
     dropout_p: float,
     seed: torch.Tensor | None,
     bias_grad: bool = False,
+    softcap: float | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv (inputs' shapes and dtypes, contiguous) from the forward's out and lse; dk/dv of a shared
     key/value head sum over its query heads. With ``bias_grad`` also ∂loss/∂bias as a full fp32
@@ -647,9 +735,12 @@ def backward(
     dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
     dq = q.new_empty(q.shape) if not atomic_dq else None
     dq_acc = q.new_zeros(q.shape, dtype=torch.float32) if atomic_dq else None
-    flags = _flags(q, bias, causal, dropout_p)
+    flags = _flags(q, bias, causal, dropout_p, softcap, window)
     seed = seed if dropout_p > 0.0 else None
-    common = (n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), scale, dropout_p, 1.0 / (1.0 - dropout_p))
+    common = (
+        n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), scale, *_score_args(scale, softcap, window),
+        dropout_p, 1.0 / (1.0 - dropout_p),
+    )
 
     delta = torch.empty_like(lse)
     dbias = q.new_zeros((batch, n_heads, len_q, len_k), dtype=torch.float32) if bias_grad else None

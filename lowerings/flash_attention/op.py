@@ -1,14 +1,19 @@
 """``torch.ops.memopt.flash_attention``: attention that keeps O(T) memory, forward and backward.
 
-    out, lse, seed = torch.ops.memopt.flash_attention(q, k, v, bias, scale, causal, dropout_p)
+    out, lse, seed = torch.ops.memopt.flash_attention(q, k, v, bias, scale, causal, dropout_p, softcap=None,
+                                                      window=None)
 
 q is [B, Hq, Tq, D], k and v [B, Hk, Tk, D] with Hq a multiple of Hk (grouped-query attention, without
 repeating k and v). ``bias`` is None or an additive float tensor broadcastable to [B, Hq, Tq, Tk] (padding
 masks, position biases; a boolean mask becomes 0 / -inf). A bias that needs a gradient (T5's learned position
 bias) gets one: the backward writes dS, a transient fp32 [B, Hq, Tq, Tk], and sums it over the bias's broadcast
-dimensions. ``causal`` masks keys
-after the query (top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``), without any T×T
-tensor. ``lse`` is the fp32 log-sum-exp per query; ``seed`` the dropout seed drawn from torch's generator.
+dimensions. ``causal`` masks keys after the query (top-left aligned, as
+``F.scaled_dot_product_attention(is_causal=True)``), without any T×T tensor. ``softcap`` c (None: off) turns each
+score x = q·k·scale into c·tanh(x/c) before the bias and the mask (Gemma 2's ``attn_logit_softcapping``); no
+library attention kernel does this. ``window`` w (None: off; only with ``causal``) is a causal sliding window:
+query i sees key j iff i − w < j ≤ i (the ``sliding_window`` of Mistral, Qwen2 and Gemma 2/3); key blocks outside
+every query's window are never visited, so the work is O(T·w). ``lse`` is the fp32 log-sum-exp per query;
+``seed`` the dropout seed drawn from torch's generator.
 Autograd saves q, k, v, bias, out, lse and the seed, never the Tq×Tk probabilities.
 
 On CUDA forward and backward are Triton kernels that Inductor emits (``kernels.py``, a ``triton_op``); on
@@ -48,7 +53,7 @@ def working_set(
     return terms
 
 
-def _check_inputs(q, k, v, bias, dropout_p) -> None:
+def _check_inputs(q, k, v, bias, dropout_p, causal=False, softcap=None, window=None) -> None:
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4, lambda: "memopt.flash_attention: q, k, v must be 4-D")
     torch._check(
         k.shape == v.shape, lambda: f"memopt.flash_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -63,6 +68,11 @@ def _check_inputs(q, k, v, bias, dropout_p) -> None:
     )
     torch._check(q.dtype == k.dtype == v.dtype, lambda: "memopt.flash_attention: q, k, v must share a dtype")
     torch._check(0.0 <= dropout_p < 1.0, lambda: "memopt.flash_attention: dropout_p must be in [0, 1)")
+    torch._check(softcap is None or softcap > 0, lambda: f"memopt.flash_attention: softcap {softcap} must be > 0")
+    torch._check(
+        window is None or (causal and window >= 1),
+        lambda: f"memopt.flash_attention: a window ({window}) must be >= 1 and comes with causal=True",
+    )
     if bias is not None:
         torch._check(bias.dim() <= 4, lambda: "memopt.flash_attention: bias has more than 4 dimensions")
         torch._check(bias.is_floating_point(), lambda: "memopt.flash_attention: bias must be floating point")
@@ -85,13 +95,13 @@ def _full_bias(bias, q, k):
 @reference_op("flash_attention_reference")
 def flash_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
-    dropout_p: float, seed: torch.Tensor,
+    dropout_p: float, seed: torch.Tensor, softcap: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.forward(q, k, v, bias, scale, causal, dropout_p, int(seed.item()))
+    return reference.forward(q, k, v, bias, scale, causal, dropout_p, int(seed.item()), softcap, window)
 
 
 @flash_attention_reference.register_fake
-def _(q, k, v, bias, scale, causal, dropout_p, seed):
+def _(q, k, v, bias, scale, causal, dropout_p, seed, softcap=None, window=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=reference.compute_dtype(q.dtype))
 
 
@@ -99,16 +109,16 @@ def _(q, k, v, bias, scale, causal, dropout_p, seed):
 def flash_attention_backward_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
-    bias_grad: bool,
+    bias_grad: bool, softcap: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv, dbias = reference.backward(
-        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, int(seed.item()), bias_grad
+        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, int(seed.item()), bias_grad, softcap, window
     )
     return dq, dk, dv, _bias_grad_of(dbias, bias, q)
 
 
 @flash_attention_backward_reference.register_fake
-def _(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad):
+def _(q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad, softcap=None, window=None):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
@@ -124,17 +134,19 @@ def _bias_grad_of(full: torch.Tensor | None, bias: torch.Tensor | None, q: torch
 @device_op("flash_attention")
 def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float, causal: bool,
-    dropout_p: float,
+    dropout_p: float, softcap: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_inputs(q, k, v, bias, dropout_p)
+    _check_inputs(q, k, v, bias, dropout_p, causal, softcap, window)
     if dropout_p > 0:
         seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
     else:
         seed = torch.zeros(1, device=q.device, dtype=torch.int64)
     if HAS_TRITON and on_cuda(q, k, v):
-        out, lse = kernels.forward(q, k, v, _full_bias(bias, q, k), scale, causal, dropout_p, seed)
+        out, lse = kernels.forward(q, k, v, _full_bias(bias, q, k), scale, causal, dropout_p, seed, softcap, window)
     else:
-        out, lse = torch.ops.memopt.flash_attention_reference(q, k, v, bias, scale, causal, dropout_p, seed)
+        out, lse = torch.ops.memopt.flash_attention_reference(
+            q, k, v, bias, scale, causal, dropout_p, seed, softcap, window
+        )
     return out, lse, seed
 
 
@@ -142,35 +154,39 @@ def flash_attention(
 def flash_attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
     lse: torch.Tensor, grad_out: torch.Tensor, scale: float, causal: bool, dropout_p: float, seed: torch.Tensor,
-    bias_grad: bool = False,
+    bias_grad: bool = False, softcap: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and, with ``bias_grad``, ∂loss/∂bias in the bias's shape (else an empty tensor)."""
     if HAS_TRITON and on_cuda(q, k, v):
         dq, dk, dv, dbias = kernels.backward(
-            q, k, v, _full_bias(bias, q, k), out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad
+            q, k, v, _full_bias(bias, q, k), out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad,
+            softcap, window,
         )
         return dq, dk, dv, _bias_grad_of(dbias, bias, q)
     return torch.ops.memopt.flash_attention_backward_reference(
-        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad
+        q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed, bias_grad, softcap, window
     )
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bias, scale, causal, dropout_p = inputs
+    q, k, v, bias, scale, causal, dropout_p, softcap, window = inputs
     out, lse, seed = output
     ctx.mark_non_differentiable(lse, seed)
     ctx.save_for_backward(q, k, v, bias, out, lse, seed)
     ctx.options = (scale, causal, dropout_p)
+    ctx.shape_options = (softcap, window)
     ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _backward(ctx, grad_out, grad_lse, grad_seed):
     q, k, v, bias, out, lse, seed = ctx.saved_tensors
     scale, causal, dropout_p = ctx.options
+    softcap, window = ctx.shape_options
     dq, dk, dv, dbias = torch.ops.memopt.flash_attention_backward(
-        q, k, v, bias, out, lse, grad_out.contiguous(), scale, causal, dropout_p, seed, ctx.bias_grad
+        q, k, v, bias, out, lse, grad_out.contiguous(), scale, causal, dropout_p, seed, ctx.bias_grad,
+        softcap=softcap, window=window,
     )
-    return dq, dk, dv, dbias if ctx.bias_grad else None, None, None, None
+    return dq, dk, dv, dbias if ctx.bias_grad else None, None, None, None, None, None
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)

@@ -1,13 +1,17 @@
 """Attention in PyTorch, one block of queries at a time: the CPU path of ``memopt::flash_attention`` and its oracle.
 
-softmax(q kᵀ·scale + bias, causal mask) (dropout) v, with grouped-query heads (query head h reads key/value head
-h // (Hq / Hk)). A block's scores become its probabilities (and in the backward its score gradients) in place,
-and its temporaries stay within ``block_budget`` bytes: 1/``FRACTION`` of the B·H·Tq·Tk scores it replaces, at
-least one query row, at most ``BLOCK_BYTES``. That budget is what the rewrite's memory model charges
+softmax(softcap(q kᵀ·scale) + bias, causal mask, sliding window) (dropout) v, with grouped-query heads (query
+head h reads key/value head h // (Hq / Hk)). ``softcap`` c turns a score s into c·tanh(s/c) before the bias and the
+mask (Gemma 2's ``attn_logit_softcapping``); ``window`` w hides key j from query i unless i − w < j ≤ i. A block's
+scores become its probabilities (and in the backward its score gradients) in place, and its temporaries stay
+within ``block_budget`` bytes: 1/``FRACTION`` of the B·H·Tq·Tk scores it replaces, at least one query row, at most
+``BLOCK_BYTES``. That budget is what the rewrite's memory model charges
 (``lowerings.flash_attention.op.working_set``), so CPU and GPU runs of a model take the same decisions. The
 backward recomputes the probabilities from the saved log-sum-exp, as the flash-attention kernels do (Dao 2023).
 Query heads that share a key/value head are stacked as rows of one product, so k and v are never repeated; a
-causal block only reads the keys its last query sees.
+causal block only reads the keys its last query sees, and with a window only those from its first query's window
+on: O(T·w) work, and no T×T mask anywhere. With a softcap the backward needs tanh's slope 1 − tanh²; it
+recomputes the block's products for it once dS is formed (one more product a block, no more memory).
 
 Dropout draws the mask of each batch entry's tile of MASK_ROWS query rows from a torch generator seeded by
 ``seed``, the entry and the tile, so the mask does not depend on how the rows are blocked, and the backward
@@ -97,15 +101,23 @@ def block_shape(
 
 
 def _blocks(
-    batch: int, queries: int, keys: int, shape: tuple[int, int], causal: bool
-) -> Iterator[tuple[slice, slice, int]]:
-    """(batch entries, query rows, keys they read) per block; a causal block's last query sees no key after it."""
+    batch: int, queries: int, keys: int, shape: tuple[int, int], causal: bool, window: int | None = None
+) -> Iterator[tuple[slice, slice, slice]]:
+    """(batch entries, query rows, keys they read) per block."""
     entries, step = shape
     for first in range(0, batch, entries):
         batches = slice(first, min(first + entries, batch))
         for start in range(0, queries, step):
             stop = min(start + step, queries)
-            yield batches, slice(start, stop), min(keys, stop) if causal else keys
+            yield batches, slice(start, stop), key_span(start, stop, keys, causal, window)
+
+
+def key_span(start: int, stop: int, keys: int, causal: bool, window: int | None) -> slice:
+    """The keys query rows [start, stop) can see: none after the last query (causal), none at or before the first
+    query's i − w (a window). Never empty, so that a block of rows that see no key still gets its -inf lse."""
+    last = min(keys, stop) if causal else keys
+    first = max(0, start - window + 1) if window is not None else 0
+    return slice(min(first, max(last - 1, 0)), last)
 
 
 def _take(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -132,19 +144,42 @@ def _baddbmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float 
         acc[i].baddbmm_(a[i], b[i], alpha=alpha)
 
 
-def _scores_into(s, q_rows, k, bias, scale: float, causal: bool, rows: slice) -> torch.Tensor:
-    """``s`` [b, Hq, rows, keys] ← q kᵀ·scale (+ bias) with keys after the query masked (causal); ``k`` and
-    ``bias`` are the block's batch entries."""
-    keys = s.shape[-1]
+def _scores_into(
+    s, q_rows, k, bias, scale: float, causal: bool, rows: slice, keys: slice, softcap: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """``s`` [b, Hq, rows, keys] ← softcap(q kᵀ·scale) (+ bias), with the pairs outside the causal band and the window
+    masked; ``k`` and ``bias`` are the block's batch entries, ``keys`` the span of keys the block reads."""
     kv_heads = k.shape[1]
-    _bmm_into(_grouped(s, kv_heads), _grouped(q_rows, kv_heads), k[:, :, :keys].transpose(-2, -1))
+    _bmm_into(_grouped(s, kv_heads), _grouped(q_rows, kv_heads), k[:, :, keys].transpose(-2, -1))
     s.mul_(scale)
+    if softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
     if bias is not None:
-        _add_bias_(s, bias[:, :, rows, :keys])
-    if causal:
-        future = torch.ones(s.shape[-2], keys, dtype=torch.bool, device=s.device).triu_(rows.start + 1)
-        s.masked_fill_(future, float("-inf"))
+        _add_bias_(s, bias[:, :, rows, keys])
+    if causal or window is not None:
+        s.masked_fill_(_hidden(rows, keys, causal, window, s.device), float("-inf"))
     return s
+
+
+def _hidden(rows: slice, keys: slice, causal: bool, window: int | None, device) -> torch.Tensor:
+    """[rows, keys] boolean, True where key j is hidden from query i: j > i (causal), j ≤ i − w (window). One
+    boolean tensor, banded in place: the (row, col) entry is the pair j − i = col − row − (rows.start − keys.start)."""
+    band = torch.ones(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.bool, device=device)
+    shift = rows.start - keys.start
+    if causal:
+        band.tril_(shift)
+    if window is not None:
+        band.triu_(shift - window + 1)
+    return band.logical_not_()
+
+
+def _softcap_slope_(s, q_rows, k, scale: float, softcap: float, keys: slice) -> torch.Tensor:
+    """``s`` ← 1 − tanh²(q kᵀ·scale / c), the derivative of c·tanh(x/c) at the block's scores, recomputed."""
+    kv_heads = k.shape[1]
+    _bmm_into(_grouped(s, kv_heads), _grouped(q_rows, kv_heads), k[:, :, keys].transpose(-2, -1))
+    t = s.mul_(scale / softcap).tanh_()
+    return t.mul_(t).neg_().add_(1.0)
 
 
 def _add_bias_(s: torch.Tensor, bias: torch.Tensor) -> None:
@@ -203,7 +238,10 @@ def _full_bias(bias, q, k):
     return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]) if bias is not None else None
 
 
-def forward(q, k, v, bias, scale: float, causal: bool, dropout_p: float, seed: int):
+def forward(
+    q, k, v, bias, scale: float, causal: bool, dropout_p: float, seed: int, softcap: float | None = None,
+    window: int | None = None,
+):
     """(out [B, Hq, Tq, D] in q's dtype, lse [B, Hq, Tq] in the compute dtype); fully masked rows give 0, -inf."""
     acc = compute_dtype(q.dtype)
     batch, heads, queries, dim = q.shape
@@ -211,33 +249,39 @@ def forward(q, k, v, bias, scale: float, causal: bool, dropout_p: float, seed: i
     k, v, bias = _as_compute(k), _as_compute(v), _full_bias(bias, q, k)
     out = q.new_empty(q.shape)  # contiguous, as the kernels return it, whatever q's layout
     lse = q.new_empty(q.shape[:-1], dtype=acc)
-    shape = block_shape(q, k, bias, backward=False, dropout=dropout_p > 0, causal=causal)
+    shape = block_shape(q, k, bias, backward=False, dropout=dropout_p > 0, causal=causal or window is not None)
     size = shape[0] * heads * shape[1]
     scores = q.new_empty(size * keys, dtype=acc)
     q_rows, out_rows = (q.new_empty(size * dim, dtype=acc) for _ in range(2))
     drop = q.new_empty(size * keys, dtype=torch.bool) if dropout_p > 0 else None
-    for entries, rows, seen in _blocks(batch, queries, keys, shape, causal):
-        count, n = rows.stop - rows.start, entries.stop - entries.start
+    for entries, rows, seen in _blocks(batch, queries, keys, shape, causal, window):
+        count, n, width = rows.stop - rows.start, entries.stop - entries.start, seen.stop - seen.start
         q_block = _take(q_rows, n, heads, count, dim).copy_(q[entries, :, rows])
         block_bias = bias[entries] if bias is not None else None
-        probs = _scores_into(_take(scores, n, heads, count, seen), q_block, k[entries], block_bias, scale, causal, rows)
+        probs = _scores_into(
+            _take(scores, n, heads, count, width), q_block, k[entries], block_bias, scale, causal, rows, seen,
+            softcap, window,
+        )
         lse[entries, :, rows] = _softmax_(probs)
         if drop is not None:  # masked_fill_, as an in-place product with a boolean mask would copy it cast
             mask = _drop_mask(seed, entries.start, rows.start, (n, heads, count, keys), dropout_p, q.device,
                               queries, _take(drop, n, heads, count, keys))
-            probs.masked_fill_(mask[..., :seen], 0.0).div_(1 - dropout_p)
+            probs.masked_fill_(mask[..., seen], 0.0).div_(1 - dropout_p)
         o = _take(out_rows, n, heads, count, dim)
-        _bmm_into(_grouped(o, k.shape[1]), _grouped(probs, k.shape[1]), v[entries, :, :seen])
+        _bmm_into(_grouped(o, k.shape[1]), _grouped(probs, k.shape[1]), v[entries, :, seen])
         out[entries, :, rows] = o
     return out, lse
 
 
 def backward(
-    q, k, v, bias, out, lse, grad_out, scale: float, causal: bool, dropout_p: float, seed: int, bias_grad: bool = False
+    q, k, v, bias, out, lse, grad_out, scale: float, causal: bool, dropout_p: float, seed: int, bias_grad: bool = False,
+    softcap: float | None = None, window: int | None = None,
 ):
-    """(dq, dk, dv, dbias): dS = P ∘ (dP − rowsum(dO ∘ O)), recomputing P from the log-sum-exp block by block.
+    """(dq, dk, dv, dbias): dS = P ∘ (dP − rowsum(dO ∘ O)), recomputing P from the log-sum-exp block by block; with
+    a softcap, dS times tanh's slope reaches q and k.
 
-    dbias (with ``bias_grad``) is dS itself, a full [B, Hq, Tq, Tk] in the compute dtype; else None."""
+    dbias (with ``bias_grad``) is dS itself (the bias is added after the softcap), a full [B, Hq, Tq, Tk] in the
+    compute dtype; else None."""
     acc = compute_dtype(q.dtype)
     batch, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
@@ -245,14 +289,14 @@ def backward(
     dq = q.new_empty(q.shape)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    dbias = q.new_empty((batch, heads, queries, keys), dtype=acc) if bias_grad else None
-    shape = block_shape(q, k, bias, backward=True, dropout=dropout_p > 0, causal=causal)
+    dbias = q.new_zeros((batch, heads, queries, keys), dtype=acc) if bias_grad else None
+    shape = block_shape(q, k, bias, backward=True, dropout=dropout_p > 0, causal=causal or window is not None)
     size = shape[0] * heads * shape[1]
     probs_buffer, grads_buffer = (q.new_empty(size * keys, dtype=acc) for _ in range(2))
     q_rows, do_rows, dq_rows = (q.new_empty(size * dim, dtype=acc) for _ in range(3))
     drop = q.new_empty(size * keys, dtype=torch.bool) if dropout_p > 0 else None
-    for entries, rows, seen in _blocks(batch, queries, keys, shape, causal):
-        count, n = rows.stop - rows.start, entries.stop - entries.start
+    for entries, rows, seen in _blocks(batch, queries, keys, shape, causal, window):
+        count, n, width = rows.stop - rows.start, entries.stop - entries.start, seen.stop - seen.start
         q_block = _take(q_rows, n, heads, count, dim).copy_(q[entries, :, rows])
         do_block = _take(do_rows, n, heads, count, dim).copy_(grad_out[entries, :, rows])
         dq_block = _take(dq_rows, n, heads, count, dim)
@@ -260,27 +304,29 @@ def backward(
         block_k, block_v = k_acc[entries], v_acc[entries]
         block_bias = bias[entries] if bias is not None else None
         probs = _scores_into(
-            _take(probs_buffer, n, heads, count, seen), q_block, block_k, block_bias, scale, causal, rows
+            _take(probs_buffer, n, heads, count, width), q_block, block_k, block_bias, scale, causal, rows, seen,
+            softcap, window,
         )
         probs.sub_(lse[entries, :, rows].unsqueeze(-1)).exp_().nan_to_num_(0.0)
-        grads = _take(grads_buffer, n, heads, count, seen)
+        grads = _take(grads_buffer, n, heads, count, width)
         mask = None
         if drop is not None:
             mask = _drop_mask(seed, entries.start, rows.start, (n, heads, count, keys), dropout_p, q.device,
-                              queries, _take(drop, n, heads, count, keys))[..., :seen]
+                              queries, _take(drop, n, heads, count, keys))[..., seen]
             dropped = grads.copy_(probs).masked_fill_(mask, 0.0).div_(1 - dropout_p)
         else:
             dropped = probs
-        block_dk, block_dv = dk[entries, :, :seen], dv[entries, :, :seen]
+        block_dk, block_dv = dk[entries, :, seen], dv[entries, :, seen]
         _baddbmm_(block_dv, _grouped(dropped, kv_heads).transpose(-2, -1), _grouped(do_block, kv_heads))
-        _bmm_into(_grouped(grads, kv_heads), _grouped(do_block, kv_heads), block_v[:, :, :seen].transpose(-2, -1))
+        _bmm_into(_grouped(grads, kv_heads), _grouped(do_block, kv_heads), block_v[:, :, seen].transpose(-2, -1))
         if mask is not None:
             grads.masked_fill_(mask, 0.0).div_(1 - dropout_p)
         grads.sub_(delta).mul_(probs)  # dS
         if dbias is not None:
-            dbias[entries, :, rows, :seen] = grads
-            dbias[entries, :, rows, seen:] = 0.0
-        _bmm_into(_grouped(dq_block, kv_heads), _grouped(grads, kv_heads), block_k[:, :, :seen])
+            dbias[entries, :, rows, seen] = grads
+        if softcap is not None:  # the probabilities are spent: their buffer takes tanh's slope
+            grads.mul_(_softcap_slope_(probs, q_block, block_k, scale, softcap, seen))
+        _bmm_into(_grouped(dq_block, kv_heads), _grouped(grads, kv_heads), block_k[:, :, seen])
         dq[entries, :, rows] = dq_block.mul_(scale)
         _baddbmm_(block_dk, _grouped(grads, kv_heads).transpose(-2, -1), _grouped(q_block, kv_heads), scale)
     return dq, dk.to(k.dtype), dv.to(v.dtype), dbias

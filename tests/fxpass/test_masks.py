@@ -187,3 +187,25 @@ def test_packed_ids_from_a_wider_prepend_are_not_proved():
 
     reason = _kept(wider, torch.zeros(1))
     assert isinstance(reason, str), reason
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["positions-only", "padded"])
+def test_transformers_sliding_window_from_the_models_entry_point(padded):
+    """``create_sliding_window_causal_mask``, which Mistral, Qwen2 and Gemma's sliding layers call: from position
+    ids alone (transformers compares them for packed sequences) the window of 3 and causal are proved; with an
+    attention_mask its per-key padding joins them."""
+    import transformers
+
+    config = transformers.MistralConfig(sliding_window=3, num_hidden_layers=1)
+    config._attn_implementation = "sdpa"
+    embeds = torch.zeros(B, T, 4)
+
+    def build(embeds, pad):
+        positions = torch.arange(T).unsqueeze(0)  # as the models make them without a cache
+        return masking_utils.create_sliding_window_causal_mask(
+            config, embeds, pad if padded else None, None, positions, allow_is_causal_skip=False
+        )
+
+    structure = _kept(build, embeds, _padding())
+    assert isinstance(structure, masks.Structure), structure
+    assert structure.causal and structure.window == 3 and len(structure.keys) == (1 if padded else 0)

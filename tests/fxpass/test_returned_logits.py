@@ -14,6 +14,7 @@ import fxpass
 from benchmarks._common import allocation_events
 from fxpass import returned_logits
 from fxpass.returned_logits import LogitsGradient, Operand, ReturnedLogits
+from tests.helpers import assert_close_scaled
 
 
 def test_logits_gradient_is_the_linear_backward():
@@ -30,6 +31,32 @@ def test_logits_gradient_is_the_linear_backward():
     upstream = torch.randn(5, 7, dtype=torch.float64, generator=gen)
     ours = torch.autograd.grad(attached(hidden, weight, bias), (hidden, weight, bias), upstream)
     theirs = torch.autograd.grad(F.linear(hidden, weight, bias), (hidden, weight, bias), upstream)
+    for mine, wanted in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, wanted)
+
+
+@pytest.mark.parametrize(("scale", "softcap"), [(0.3, None), (1.0, 0.5), (2.5, 1.5)], ids=["scale", "softcap", "both"])
+def test_logits_gradient_goes_back_through_the_transform(scale, softcap):
+    """float64 gradcheck: for logits returned transformed (z = c·tanh(x·m/c)), ``LogitsGradient`` differentiates
+    them as the transform of ``F.linear`` would, its slope read off the returned logits."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(5, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    weight = torch.randn(7, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, generator=gen, requires_grad=True)
+    transform = returned_logits.Transform(scale, softcap)
+
+    def transformed(h, w, b):
+        logits = F.linear(h, w, b) * scale
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+    def attached(h, w, b):
+        return LogitsGradient.apply(transformed(h, w, b).detach(), h, w, b, returned_logits.AS_IS,
+                                    returned_logits.AS_IS, transform)
+
+    assert torch.autograd.gradcheck(attached, (hidden, weight, bias))
+    upstream = torch.randn(5, 7, dtype=torch.float64, generator=gen)
+    ours = torch.autograd.grad(attached(hidden, weight, bias), (hidden, weight, bias), upstream)
+    theirs = torch.autograd.grad(transformed(hidden, weight, bias), (hidden, weight, bias), upstream)
     for mine, wanted in zip(ours, theirs, strict=True):
         torch.testing.assert_close(mine, wanted)
 
@@ -137,6 +164,43 @@ def test_dropped_logits_cost_no_logits_sized_allocation_in_the_backward(variant,
                                                            (hidden, weight))
     torch.testing.assert_close(hidden.grad, expected_hidden)
     torch.testing.assert_close(weight.grad, expected_weight)
+
+
+@pytest.mark.parametrize("variant", ["chunked", "rowwise"])
+def test_dropped_transformed_logits_cost_no_logits_sized_allocation_in_the_backward(variant):
+    """Gemma 2's case: the model returns its softcapped (here also scaled) logits. The op returns them transformed
+    and detached, so a caller that drops them pays nothing logits-sized in the backward either; one that uses
+    them gets eager's gradient through the transform."""
+    rows, vocab, dim = 64, 4096, 8
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, dim, generator=gen).requires_grad_()
+    hidden = torch.randn(rows, dim, generator=gen).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+
+    def model(h, t):
+        logits = torch.tanh(F.linear(h, weight) * 3.0 / 2.0) * 2.0
+        return logits, F.cross_entropy(logits, t)
+
+    options = {"strict": True, "force": True, "cce_variant": variant, "inner_compiler": "aot_eager"}
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fxpass.MemoptBackend(options=options), fullgraph=True)
+    logits, loss = compiled(hidden, targets)
+    expected_logits, expected_loss = model(hidden, targets)
+    assert torch.equal(logits, expected_logits)
+    del logits
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    assert max(size for _, _, size in allocation_events(prof)) < rows * vocab * 4
+    wanted = torch.autograd.grad(expected_loss, (hidden, weight))
+    torch.testing.assert_close((hidden.grad, weight.grad), wanted, rtol=1e-5, atol=1e-6)
+    hidden.grad = weight.grad = None
+    logits, loss = compiled(hidden, targets)
+    upstream = torch.randn(rows, vocab, generator=gen)
+    (loss + (logits * upstream).sum()).backward()
+    expected_logits, expected_loss = model(hidden, targets)
+    wanted = torch.autograd.grad(expected_loss + (expected_logits * upstream).sum(), (hidden, weight))
+    for mine, theirs, name in zip((hidden.grad, weight.grad), wanted, ("hidden", "weight"), strict=True):
+        assert_close_scaled(mine, theirs, rel=1e-5, name=name)  # sums of 4096 products in another order
 
 
 @pytest.mark.parametrize("variant", ["chunked", "rowwise"])

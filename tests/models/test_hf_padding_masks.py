@@ -121,18 +121,19 @@ def test_padded_masks_become_a_flag_and_key_padding(name, attention):
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_narrow_sliding_window_stays_a_mask_with_the_reason(attention):
-    """Mistral with a window of 4 keys over 12 tokens: no flag expresses it. Eager attention still becomes
-    memopt's op, with the mask as a bias (left padding's keyless rows as eager computes them); SDPA is left as is.
-    Both say why, and equal eager."""
-    ex = _check(_model("mistral", attention, sliding_window=4), "left")
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_narrow_sliding_window_becomes_the_window_argument(attention, padding):
+    """Mistral with a window of 4 keys over 12 tokens: the mask becomes the causal flag, the op's window and a key
+    bias, with no T×T tensor left, under eager attention and SDPA. Rows that see no key (left padding; right
+    padding once a row's window lies wholly in the padding) give what each gave: eager's mean of v, SDPA's 0."""
+    ex = _check(_model("mistral", attention, sliding_window=4), padding)
     records = _attention_records(ex)
-    why = "a sliding window of 4 keys, narrower than the 12 queries (memopt.flash_attention has no banded mask)"
-    if attention == "eager":
-        assert all(r.applied and r.params["mask"] == "additive bias" for r in records)
-        assert all(why in r.params["mask_note"] for r in records)
-    else:
-        assert not any(r.applied for r in records) and all(why in r.reason for r in records)
+    assert len(records) == 2 and all(r.applied for r in records), [r.reason for r in records]
+    assert square_tensors(ex, T) == []
+    for record in records:
+        assert record.params["mask"] == "causal (flag) + sliding window of 4 keys + key padding"
+        assert record.params["lowering"] == "memopt.flash_attention"
+        assert record.params["empty_rows"] == ("zero" if attention == "sdpa" else "mean of v, with eager's q and k gradients")
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])

@@ -465,12 +465,11 @@ class GraphModule(torch.nn.Module):
         self.assertEqual(square_tensors(ex, T), [])
 
     def test_unproved_masks_stay_a_bias_with_the_reason(self):
-        """A sliding window narrower than the sequence, a union of conditions, fp16's finfo.min: the mask stays a
-        tensor and the record says why; the results still equal eager's."""
-        window = masking_utils.sliding_window_causal_mask_function(3)
+        """A union of conditions, fp16's finfo.min: the mask stays a tensor and the record says why; the results
+        still equal eager's."""
         union = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv < 2)
         notes = {}
-        for name, mask_function in {"window": window, "union": union}.items():
+        for name, mask_function in {"union": union}.items():
             def fn(q, k, v, pad, mask_function=mask_function):
                 return _eager_attention(q, k, v, lambda s: s + _hf_mask(pad, mask_function))
 
@@ -493,11 +492,280 @@ class GraphModule(torch.nn.Module):
         ex = _check(fp16_fill, *_padded_qkv(), _padding("right"))
         notes["fp16"] = _attention_records(ex)[0].params["mask_note"]
         self.assertExpectedInline("\n".join(f"{k}: {v}" for k, v in notes.items()), """\
-window: the mask (mask) stays a bias: a sliding window of 3 keys, narrower than the 6 queries (memopt.flash_attention has no banded mask)
-window, sdpa: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask stays: a sliding window of 3 keys, narrower than the 6 queries (memopt.flash_attention has no banded mask))
 union: the mask (mask) stays a bias: the mask is a union of conditions (or_masks), not an intersection
 union, sdpa: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask stays: the mask is a union of conditions (or_masks), not an intersection)
 fp16: the mask (to_2) stays a bias: its fill -65504 does not absorb the scores (a fill <= -1e+30 does)""")
+
+def _window_mask(pad, window, sdpa=False, dtype=torch.float64):
+    """transformers' sliding-window mask (its layers' ``sliding_window``) as its models build it; ``pad`` None
+    builds it without an attention_mask (no key padding)."""
+    build = masking_utils.sdpa_mask if sdpa else masking_utils.eager_mask
+    kwargs = {} if sdpa else {"dtype": dtype}
+    batch, length = (pad.shape if pad is not None else (3, T))
+    return build(
+        batch_size=batch, q_length=length, kv_length=length,
+        mask_function=masking_utils.sliding_window_causal_mask_function(window),
+        attention_mask=pad.bool() if pad is not None else None, allow_is_causal_skip=False, **kwargs,
+    )
+
+
+class TestSlidingWindows(TestCase):
+    """transformers' sliding-window masks (Mistral, Qwen2, Gemma 2/3) become the op's ``window`` argument: no
+    T×T tensor is built, under eager attention and SDPA alike."""
+
+    def test_eager_window_snapshot(self):
+        """No attention_mask: the mask is built from position comparisons only; it becomes causal + window 3."""
+
+        def fn(q, k, v):
+            return _eager_attention(q, k, v, lambda s: s + _window_mask(None, 3))
+
+        ex = _check(fn, *_padded_qkv())
+        (record,) = _attention_records(ex)
+        self.assertEqual((record.params["mask"], record.params["window"]), ("causal (flag) + sliding window of 3 keys", 3))
+        self.assertEqual(square_tensors(ex, T), [])
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f64[3, 2, 6, 8]cpu", L_q_: "f64[3, 4, 6, 8]cpu", L_v_: "f64[3, 2, 6, 8]cpu"):
+        l_k_ = L_k_
+        l_q_ = L_q_
+        l_v_ = L_v_
+        batch_arange: "i64[3]cpu" = torch.arange(3, device = 'cpu');  batch_arange = None
+        head_arange: "i64[1]cpu" = torch.arange(1, device = 'cpu');  head_arange = None
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.3, True, 0.0, window = 3);  l_q_ = l_k_ = l_v_ = None
+        getitem_6: "f64[3, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        return (getitem_6,)""")
+
+    def test_sdpa_window_snapshot(self):
+        """SDPA handed the window as a [B, 1, T, T] boolean: no SDPA argument expresses a window, so memopt's op
+        takes it, grouped key/value heads unrepeated."""
+
+        def fn(q, k, v):
+            mask = _window_mask(None, 3, sdpa=True)
+            return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3)
+
+        ex = _check(fn, *_padded_qkv())
+        (record,) = _attention_records(ex)
+        self.assertEqual(record.params["lowering"], "memopt.flash_attention")
+        self.assertEqual(square_tensors(ex, T), [])
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f64[3, 2, 6, 8]cpu", L_v_: "f64[3, 2, 6, 8]cpu", L_q_: "f64[3, 4, 6, 8]cpu"):
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_q_ = L_q_
+        batch_arange: "i64[3]cpu" = torch.arange(3, device = 'cpu');  batch_arange = None
+        head_arange: "i64[1]cpu" = torch.arange(1, device = 'cpu');  head_arange = None
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.3, True, 0.0, window = 3);  l_q_ = l_k_ = l_v_ = None
+        getitem_6: "f64[3, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        return (getitem_6,)""")
+        self.assertIn("the [B, 1, Tq, Tk] mask is no longer built: memopt.flash_attention, causal flag and a sliding "
+                      "window of 3 keys", record.reason)
+
+    def test_windows_with_padding_match_eager(self):
+        """Windows of 1 and 3 keys with right, left and whole-sequence padding, eager (0 / finfo.min added) and
+        SDPA (boolean): causal flag, window and key bias, exact in float64. Right padding empties the rows whose
+        window lies wholly in the padding: eager gives them the mean of v (with its gradients), SDPA zeros."""
+        for window in (1, 3):
+            for padding in ("right", "left", "empty"):
+                for sdpa in (False, True):
+                    torch._dynamo.reset()
+
+                    def fn(q, k, v, pad, window=window, sdpa=sdpa):
+                        mask = _window_mask(pad, window, sdpa=sdpa)
+                        if sdpa:
+                            return F.scaled_dot_product_attention(
+                                q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3
+                            )
+                        return _eager_attention(q, k, v, lambda s, mask=mask: s + mask)
+
+                    ex = _check(fn, *_padded_qkv(), _padding(padding))
+                    (record,) = _attention_records(ex)
+                    case = (window, padding, sdpa)
+                    self.assertTrue(record.applied, case)
+                    self.assertEqual(record.params["mask"], f"causal (flag) + sliding window of {window} keys + key padding",
+                                     case)
+                    self.assertEqual(record.params["lowering"], "memopt.flash_attention", case)
+                    self.assertEqual(record.params["empty_rows"], "zero" if sdpa else "mean of v, with eager's q and k gradients")
+                    self.assertEqual(square_tensors(ex, T), [], case)
+
+    def test_hand_written_band(self):
+        """nanoGPT-style code: a band of arange comparisons with masked_fill(-inf)."""
+
+        def fn(q, k, v):
+            i = torch.arange(T)
+            band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 2)
+            scores = (q @ k.transpose(-2, -1)) * 0.3
+            return torch.softmax(scores.masked_fill(~band, float("-inf")), dim=-1) @ v
+
+        (record,) = _attention_records(_check(fn, *_qkv()))
+        self.assertEqual((record.params["causal"], record.params["window"]), (True, 2))
+
+    def test_a_window_as_wide_as_the_sequence_is_plain_causal(self):
+        """Mistral's 4096 keys at a shorter length hide nothing: causal alone, so SDPA keeps ``is_causal`` (and
+        cuDNN can serve eager code) rather than taking a window argument."""
+
+        def eager(q, k, v):
+            return _eager_attention(q, k, v, lambda s: s + _window_mask(None, T))
+
+        def sdpa(q, k, v):
+            mask = _window_mask(None, T + 3, sdpa=True)
+            return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask)
+
+        (record,) = _attention_records(_check(eager, *_padded_qkv()))
+        self.assertEqual(record.params["mask"], "causal (flag)")
+        self.assertNotIn("window", record.params)
+        ex = _check(sdpa, *_padded_qkv())
+        self.assertIn("is_causal = True", after_code(ex))
+
+    def test_symbolic_lengths_keep_the_window_without_a_guard(self):
+        """Under dynamic shapes whether the window is narrower than the sequence is unknown: the window stays an
+        argument (exact either way), and no guard on the length is added (a second length reuses the graph)."""
+
+        def fn(q, k, v):
+            return _eager_attention(q, k, v, lambda s: s + _window_mask_of_length(q.shape[2], 3))
+
+        fxpass.clear_reports()
+        options = {"strict": True, "force": True, "inner_compiler": "aot_eager"}
+        compiled = torch.compile(fn, backend=fxpass.MemoptBackend(options=options))
+        for length in (6, 9):
+            gen = torch.Generator().manual_seed(length)
+            q = torch.randn(3, 4, length, D, dtype=torch.float64, generator=gen)
+            k, v = (torch.randn(3, 2, length, D, dtype=torch.float64, generator=gen) for _ in range(2))
+            for t in (q, k, v):
+                torch._dynamo.mark_dynamic(t, 2)
+            torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        (record,) = [r for report in fxpass.reports() for r in report.records if r.rule == "attention"]
+        self.assertEqual((record.applied, record.params["window"]), (True, 3))
+
+
+def _window_mask_of_length(length, window):
+    return masking_utils.eager_mask(
+        batch_size=3, q_length=length, kv_length=length,
+        mask_function=masking_utils.sliding_window_causal_mask_function(window), attention_mask=None,
+        allow_is_causal_skip=False, dtype=torch.float64,
+    )
+
+
+class _Gemma2Like(nn.Module):
+    """What Gemma 2's eager attention reads from its module: grouped heads, the head dim, training mode."""
+
+    num_key_value_groups = 2
+    head_dim = D
+
+
+_GEMMA2_MODULE = _Gemma2Like().eval()
+
+
+def _gemma2_attention(q, k, v, mask, softcap=2.0, scaling=0.3):
+    """transformers' Gemma 2 eager attention itself: scores scaled, softcapped (tanh), masked, fp32 softmax."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    return eager_attention_forward(_GEMMA2_MODULE, q, k, v, mask, scaling=scaling, softcap=softcap)[0]
+
+
+class TestSoftcap(TestCase):
+    """Gemma 2's ``attn_logit_softcapping``: tanh(s/c)·c between the scaled scores and the mask, in the op.
+
+    Gemma 2's code runs its softmax in float32 whatever the inputs, so its tests run in float32 throughout."""
+
+    def test_gemma2_eager_attention_snapshot(self):
+        def fn(q, k, v):
+            return _gemma2_attention(q, k, v, _hf_mask_without_padding(torch.float32))
+
+        ex = _check(fn, *_padded_qkv(dtype=torch.float32))
+        (record,) = _attention_records(ex)
+        self.assertEqual((record.params["softcap"], record.params["mask"]), (2.0, "causal (flag)"))
+        self.assertEqual(square_tensors(ex, T), [])
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_k_: "f32[3, 2, 6, 8]cpu", L_v_: "f32[3, 2, 6, 8]cpu", L_q_: "f32[3, 4, 6, 8]cpu"):
+        l_k_ = L_k_
+        l_v_ = L_v_
+        l_q_ = L_q_
+        batch_arange: "i64[3]cpu" = torch.arange(3, device = 'cpu');  batch_arange = None
+        head_arange: "i64[1]cpu" = torch.arange(1, device = 'cpu');  head_arange = None
+        flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.3, True, 0.0, softcap = 2.0);  l_q_ = l_k_ = l_v_ = None
+        getitem_6: "f32[3, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
+        transpose_1: "f32[3, 6, 4, 8]cpu" = getitem_6.transpose(1, 2);  getitem_6 = None
+        attn_output_1: "f32[3, 6, 4, 8]cpu" = transpose_1.contiguous();  transpose_1 = None
+        return (attn_output_1,)""")
+
+    def test_gemma2_sliding_layer(self):
+        """Gemma 2's sliding layers: softcap and window together."""
+
+        def fn(q, k, v):
+            return _gemma2_attention(q, k, v, _window_mask(None, 2, dtype=torch.float32), softcap=1.5)
+
+        (record,) = _attention_records(_check(fn, *_padded_qkv(dtype=torch.float32)))
+        self.assertEqual((record.params["softcap"], record.params["window"]), (1.5, 2))
+
+    def test_spellings_of_the_cap(self):
+        """``c * tanh(s * (1/c))`` caps the same way; the fp32 upcast before softmax is allowed."""
+
+        def fn(q, k, v):
+            scores = q @ k.transpose(-2, -1) * 0.3
+            scores = 4.0 * torch.tanh(scores * 0.25)
+            i = torch.arange(T)
+            scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+            return torch.softmax(scores.float(), dim=-1) @ v
+
+        (record,) = _attention_records(_check(fn, *_qkv()))
+        self.assertEqual((record.params["softcap"], record.params["causal"]), (4.0, True))
+
+    def test_orders_the_op_cannot_compute_are_declined(self):
+        """A mask applied before the cap (tanh(-inf) is -1: a capped mask hides nothing), a scale applied after
+        it, and a bias added before the scale: each is declined with the reason, never computed otherwise."""
+        i = torch.arange(T)
+        hidden = i[None, :] > i[:, None]
+        bias = torch.randn(1, H, T, T)
+
+        def mask_then_cap(q, k, v):
+            scores = (q @ k.transpose(-2, -1) * 0.3).masked_fill(hidden, float("-inf"))
+            return torch.softmax(torch.tanh(scores / 2.0) * 2.0, dim=-1) @ v
+
+        def cap_then_scale(q, k, v):
+            return torch.softmax(torch.tanh(q @ k.transpose(-2, -1) / 2.0) * 2.0 * 0.3, dim=-1) @ v
+
+        def bias_then_scale(q, k, v):
+            return torch.softmax((q @ k.transpose(-2, -1) + bias) * 0.3, dim=-1) @ v
+
+        lines = []
+        for fn in (mask_then_cap, cap_then_scale, bias_then_scale):
+            ex = rewritten(fn, *_qkv())
+            torch.testing.assert_close(ex.result, fn(*_qkv()))
+            lines.append(f"{fn.__name__}: {record_lines(ex)}")
+        self.assertExpectedInline("\n".join(lines), """\
+mask_then_cap: attention applied=False proof=None: a mask or bias (scores) is applied before the softcap (truediv), which transforms it too
+cap_then_scale: attention applied=False proof=None: the scores are scaled after their softcap (mul), not before
+bias_then_scale: attention applied=False proof=None: a mask or bias (add) is applied before the scale (mul), which transforms it too""")
+
+    def test_left_padding_with_a_softcap(self):
+        """Rows without keys (left padding, a sequence of padding), where eager's added finfo.min gives uniform
+        probabilities and passes softmax's gradient through each score's cap to q and k: the rewrite gives them
+        ``memopt.flash_attention_uniform_rows`` (the mean of v, with exactly that gradient), with and without a
+        window."""
+        for window in (None, 2):
+            torch._dynamo.reset()
+
+            def fn(q, k, v, pad, window=window):
+                mask = _hf_mask(pad, dtype=torch.float32) if window is None else _window_mask(
+                    pad, window, dtype=torch.float32)
+                return _gemma2_attention(q, k, v, mask, softcap=1.5)
+
+            ex = _check(fn, *_padded_qkv(dtype=torch.float32), _padding("empty"))
+            (record,) = _attention_records(ex)
+            self.assertEqual(record.params["empty_rows"], "mean of v, with eager's q and k gradients")
+            self.assertIn("flash_attention_uniform_rows", after_code(ex))
+            self.assertEqual(square_tensors(ex, T), [])
+
+
+def _hf_mask_without_padding(dtype=torch.float64):
+    return masking_utils.eager_mask(
+        batch_size=3, q_length=T, kv_length=T, mask_function=masking_utils.causal_mask_function,
+        attention_mask=None, allow_is_causal_skip=False, dtype=dtype,
+    )
+
 
 def _hf(name: str):
     common = dict(vocab_size=384, attn_implementation="eager")
@@ -538,7 +806,8 @@ def _hf(name: str):
 @pytest.mark.parametrize(
     ("name", "padding", "mask_kind"),
     [("gpt2", False, "causal (flag)"), ("llama", False, "causal (flag)"), ("llama", True, "causal (flag) + key padding"),
-     ("bert", True, "key padding"), ("qwen2", False, "causal (flag)"), ("mistral", False, "additive bias")],
+     ("bert", True, "key padding"), ("qwen2", False, "causal (flag)"),
+     ("mistral", False, "causal (flag) + sliding window of 4 keys")],
 )
 def test_hf_eager_attention_rewritten_in_every_layer(name, padding, mask_kind):
     """HF models with eager attention: every layer's attention is rewritten; loss and gradients equal eager."""
@@ -645,6 +914,29 @@ class TestKernelChoice:
         bias = torch.randn(1, H, T, T, dtype=torch.bfloat16, requires_grad=True)
         candidate = _candidate(self.causal, *_qkv(dim=64, dtype=torch.bfloat16), bias)
         assert "a bias other than key padding" in cudnn_case_blocker(candidate)
+
+    def test_softcap_and_window_stay_with_memopt(self):
+        """No library kernel caps scores, and cuDNN takes no window: both stay on memopt's kernel, which the
+        record says for a GPU (assume_device="cuda")."""
+        from fxpass.rules.attention import SOFTCAP_KERNEL_WHY, WINDOW_KERNEL_WHY, cudnn_case_blocker
+
+        def capped(q, k, v):
+            scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 30.0) * 30.0
+            scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+            return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+        def windowed(q, k, v):
+            i = torch.arange(T)
+            band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 2)
+            scores = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).masked_fill(~band, float("-inf"))
+            return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+        inputs = _qkv(dim=64, dtype=torch.bfloat16)
+        assert cudnn_case_blocker(_candidate(capped, *inputs)) == SOFTCAP_KERNEL_WHY
+        assert cudnn_case_blocker(_candidate(windowed, *inputs)) == WINDOW_KERNEL_WHY
+        ex = fxpass.explain(windowed, *inputs, options={"force": True}, assume_device="cuda")
+        (record,) = _attention_records(ex)
+        assert record.params["kernel_reason"] == f"on CUDA: memopt's kernel ({WINDOW_KERNEL_WHY})"
 
     def test_off_cuda_the_memopt_kernel_with_nothing_recorded(self):
         from fxpass.config import Config

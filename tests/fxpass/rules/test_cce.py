@@ -796,3 +796,412 @@ class TestVariant(TestCase):
         with torch.no_grad():
             ex = rewritten(fn, torch.randn(2, 5, 8), torch.randint(0, 64, (2, 5)), cce_variant="rowwise")
         self.assertIn("'mean', 0.0, None, False, False, False)", after_code(ex))
+
+
+# --- transforms between the classifier and the loss --------------------------------------------------------------
+
+SCALE, DIVISOR, CAP = 0.3, 3.0, 0.5  # not powers of two: a multiplication by 1/3 would not give a division's bits
+
+
+def _transformed(kind: str):
+    """Logits as the families transform them: Cohere's ``logits * logit_scale``, Granite's ``logits /
+    logits_scaling``, Gemma 2's final softcap, and a scale before a softcap."""
+
+    def transform(logits):
+        if kind in ("mul", "mul_softcap"):
+            logits = logits * SCALE
+        if kind == "div":
+            logits = logits / DIVISOR
+        if kind in ("softcap", "mul_softcap"):
+            logits = torch.tanh(logits / CAP) * CAP
+        return logits
+
+    return transform
+
+
+def _transform_fn(kind: str, weight, returns: bool):
+    """HF's causal-LM loss over transformed logits; returns (logits, loss) where ``returns``, else the loss."""
+    transform = _transformed(kind)
+
+    def fn(h, labels):
+        logits = transform(F.linear(h, weight))
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        loss = F.cross_entropy(logits.float().view(-1, V), shift.view(-1))
+        return (logits, loss) if returns else loss
+
+    return fn
+
+
+def _labels(batch: int = 2, seq: int = 3):
+    labels = torch.randint(0, V, (batch, seq))
+    labels[0, 0] = -100
+    return labels
+
+
+class TestTransformedLogits(TestCase):
+    """A scale (multiplied or divided) and a softcap between classifier and loss become the op's arguments; where
+    the graph returns the transformed logits, the op returns them, bit for bit as eager computes them, and their
+    gradient goes back through the transform (the z-loss second loss checks it)."""
+
+    def _dropped(self, kind: str) -> str:
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        ex = _check_numerics(_transform_fn(kind, weight, returns=False), [hidden, weight], hidden, _labels())
+        self.assertEqual(ex.records[0].params["returned_logits_transformed"], False)
+        return after_code(ex)
+
+    def _returned(self, kind: str, variant: str = "auto") -> fxpass.Explanation:
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        fn = _transform_fn(kind, weight, returns=True)
+        labels = _labels()
+        ex = _check_returned(fn, [hidden, weight], hidden, labels, second_loss=_z_loss, cce_variant=variant)
+        self.assertTrue(torch.equal(ex.result[0], fn(hidden, labels)[0]))  # the transformed logits, bit for bit
+        record = ex.records[0]
+        self.assertEqual(record.params["returned_logits_transformed"], True)
+        self.assertEqual(record.params["variant"], "rowwise" if variant == "rowwise" else "with_logits")
+        return ex
+
+    def test_mul_scale_dropped(self):
+        self.assertExpectedInline(self._dropped("mul"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None, scale = 0.3);  reshape = l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem_1,)""")
+
+    def test_div_scale_dropped(self):
+        self.assertExpectedInline(self._dropped("div"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None, divisor = 3.0);  reshape = l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem_1,)""")
+
+    def test_softcap_dropped(self):
+        self.assertExpectedInline(self._dropped("softcap"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, 0.5);  reshape = l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem_1,)""")
+
+    def test_scale_and_softcap_dropped(self):
+        self.assertExpectedInline(self._dropped("mul_softcap"), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_default = torch.ops.memopt.cce.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, 0.5, scale = 0.3);  reshape = l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_default[0];  cce_default = None
+        return (getitem_1,)""")
+
+    def test_mul_scale_returned(self):
+        self.assertExpectedInline(after_code(self._returned("mul")), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None, True, scale = 0.3, transform_logits = True);  l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_with_logits_default[0]
+        getitem_2: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
+        view_2: "f32[2, 3, 40]cpu" = getitem_2.view(2, 3, -1);  getitem_2 = None
+        return (view_2, getitem_1, reshape)""")
+
+    def test_div_scale_returned(self):
+        self.assertExpectedInline(after_code(self._returned("div")), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None, True, divisor = 3.0, transform_logits = True);  l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_with_logits_default[0]
+        getitem_2: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
+        view_2: "f32[2, 3, 40]cpu" = getitem_2.view(2, 3, -1);  getitem_2 = None
+        return (view_2, getitem_1, reshape)""")
+
+    def test_softcap_returned(self):
+        self.assertExpectedInline(after_code(self._returned("softcap")), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, 0.5, True, transform_logits = True);  l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_with_logits_default[0]
+        getitem_2: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
+        view_2: "f32[2, 3, 40]cpu" = getitem_2.view(2, 3, -1);  getitem_2 = None
+        return (view_2, getitem_1, reshape)""")
+
+    def test_scale_and_softcap_returned(self):
+        ex = self._returned("mul_softcap")
+        self.assertEqual((ex.records[0].params["logit_scale"], ex.records[0].params["softcap"]), (SCALE, CAP))
+        self.assertExpectedInline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, 0.5, True, scale = 0.3, transform_logits = True);  l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_with_logits_default[0]
+        getitem_2: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
+        view_2: "f32[2, 3, 40]cpu" = getitem_2.view(2, 3, -1);  getitem_2 = None
+        return (view_2, getitem_1, reshape)""")
+
+    def test_rowwise_returns_the_transformed_logits(self):
+        """The row-wise op (CUDA's choice for a head alone in its graph) transforms the logits it returns in
+        place once its chunks have read them; the wrapper's gradient goes back through the transform."""
+        for kind in ("mul", "div", "softcap", "mul_softcap"):
+            with self.subTest(kind=kind):
+                torch._dynamo.reset()
+                code = after_code(self._returned(kind, variant="rowwise"))
+                self.assertIn("transform_logits = True", code)
+
+    def test_raw_logits_returned_beside_a_transformed_loss(self):
+        """The graph returns the classifier's own output and scales only the loss's copy: the op returns the
+        logits untransformed and the loss is taken over the scaled ones."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+
+        def fn(h, t):
+            logits = F.linear(h, weight)
+            return logits, F.cross_entropy((logits.float() * SCALE).view(-1, V), t.view(-1))
+
+        for variant in ("auto", "rowwise"):
+            with self.subTest(variant=variant):
+                torch._dynamo.reset()
+                ex = _check_returned(fn, [hidden, weight], hidden, _labels(), second_loss=_z_loss, cce_variant=variant)
+                self.assertEqual(ex.records[0].params["returned_logits_transformed"], False)
+                self.assertNotIn("transform_logits", after_code(ex))
+                self.assertIn("scale = 0.3", after_code(ex))
+
+    def test_transformed_logits_read_inside_the_graph(self):
+        """Another op of the graph reads the transformed logits (a penalty on them, added to the loss): the op's
+        logits stay differentiable in the graph, and their gradient goes back through the transform in its
+        backward."""
+        weight, bias = _params(bias=True)
+        hidden = torch.randn(6, D, requires_grad=True)
+        transform = _transformed("mul_softcap")
+
+        def fn(h, t):
+            logits = transform(F.linear(h, weight, bias))
+            return F.cross_entropy(logits, t) + 0.1 * logits.square().mean()
+
+        ex = _check_numerics(fn, [hidden, weight, bias], hidden, torch.randint(0, V, (6,)))
+        record = ex.records[0]
+        self.assertEqual(record.params["returned_logits_transformed"], True)
+        self.assertIn("cce_with_logits.default(", after_code(ex))
+        self.assertNotIn("True, scale", after_code(ex))  # detach_logits stays False: the gradient is the graph's
+
+    def test_a_cast_to_the_same_dtype_before_the_transform(self):
+        """``.float()`` of fp32 logits changes nothing: the scaled logits after it are still served as returned."""
+        weight, _ = _params()
+        hidden = torch.randn(6, D, requires_grad=True)
+
+        def fn(h, t):
+            logits = F.linear(h, weight).float() * SCALE
+            return logits, F.cross_entropy(logits, t)
+
+        ex = _check_returned(fn, [hidden, weight], hidden, torch.randint(0, V, (6,)), second_loss=_z_loss)
+        self.assertEqual(ex.records[0].params["returned_logits_transformed"], True)
+
+    def test_under_autocast_the_transform_runs_in_bf16(self):
+        """Autocast's bf16 classifier, then the scale and softcap in bf16 as eager runs them, returned and cast to
+        fp32 on the way out (accelerate's convert_to_fp32): the op writes fp32 logits and transforms them."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        transform = _transformed("mul_softcap")
+
+        def fn(h, t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = transform(F.linear(h, weight))
+            loss = F.cross_entropy(logits.float().view(-1, V), t.view(-1))
+            return logits.float(), loss
+
+        labels = _labels()
+        ex = rewritten(fn, hidden, labels)
+        record = ex.records[0]
+        self.assertTrue(record.applied, record.reason)
+        self.assertEqual(record.params["returned_logits_dtype"], "float32")
+        logits, loss = ex.result
+        expected_logits, expected_loss = fn(hidden, labels)
+        # unrounded fp32 logits against eager's bf16 ones, cast: a bf16 rounding apart
+        torch.testing.assert_close(logits, expected_logits, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(loss, expected_loss, rtol=2e-2, atol=2e-2)
+        assert_close_all(grads(loss + _z_loss(logits), [hidden, weight]),
+                         grads(expected_loss + _z_loss(expected_logits), [hidden, weight]), rtol=3e-2, atol=3e-2)
+
+    def test_z_loss_reads_the_transformed_log_sum_exp(self):
+        """A z-loss over the scaled and softcapped logits reads the op's log-sum-exp, which is theirs."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        transform = _transformed("mul_softcap")
+
+        def fn(h, t):
+            logits = transform(F.linear(h, weight)).float()
+            ce = F.cross_entropy(logits.view(-1, V), t.view(-1))
+            return ce + 1e-1 * torch.logsumexp(logits, dim=-1).square().mean()
+
+        ex = _check_numerics(fn, [hidden, weight], hidden, _labels())
+        self.assertEqual(ex.records[0].params["z_loss_terms"], 1)
+
+    def test_nll_loss_over_scaled_logits(self):
+        weight, _ = _params()
+        hidden = torch.randn(6, D, requires_grad=True)
+
+        def fn(h, t):
+            return F.nll_loss(torch.log_softmax(F.linear(h, weight) / DIVISOR, dim=-1), t)
+
+        ex = _check_numerics(fn, [hidden, weight], hidden, torch.randint(0, V, (6,)))
+        self.assertEqual(ex.records[0].params["logit_divisor"], DIVISOR)
+
+
+class TestTransformDeclines(TestCase):
+    """Transforms memopt's ops cannot take: each declined with the one reason that blocks it."""
+
+    def _reason(self, fn, *args, **options) -> str:
+        ex = rewritten(fn, *args, **options)
+        self.assertFalse([r for r in ex.records if r.rule == "cce" and r.applied])
+        return "\n".join(line for line in record_lines(ex).splitlines() if line.startswith("cce "))
+
+    def test_scale_after_the_softcap(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            return F.cross_entropy(torch.tanh(F.linear(h, weight) / CAP) * CAP * SCALE, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """\
+cce applied=False proof=None: the logits are scaled after their softcap (mul_1 (call_function mul)); memopt.cce takes a scale before the softcap only""")
+
+    def test_learned_tensor_scale(self):
+        weight, _ = _params()
+        scale = nn.Parameter(torch.tensor(SCALE))
+
+        def fn(h, t):
+            return F.cross_entropy(F.linear(h, weight) * scale, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """\
+cce applied=False proof=None: mul (call_function mul) scales the logits by a learned tensor (l_scale_): memopt's ops take a constant scale and do not compute its gradient""")
+
+    def test_constant_tensor_scale(self):
+        weight, _ = _params()
+        scale = torch.tensor(SCALE)
+
+        def fn(h, t):
+            return F.cross_entropy(F.linear(h, weight) * scale, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """\
+cce applied=False proof=None: mul (call_function mul) scales the logits by a tensor (l_scale_): memopt's ops take the scale as a Python number (reading a tensor's value would sync with the device); store it as a float""")
+
+    def test_symbolic_float_scale(self):
+        """A float argument Dynamo does not specialize (dynamic shapes, ``specialize_float=False``) reaches the graph
+        as a SymFloat."""
+        weight, _ = _params()
+
+        def fn(h, t, scale):
+            return F.cross_entropy(F.linear(h, weight) * scale, t)
+
+        with torch._dynamo.config.patch(specialize_float=False):
+            reason = self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,)), SCALE, dynamic=True)
+        self.assertExpectedInline(reason, """\
+cce applied=False proof=None: mul (call_function mul) scales the logits by a symbolic number (item): Dynamo did not specialize it (torch._dynamo.config.specialize_float), and memopt's ops take the scale as a constant""")
+
+    def test_negative_scale(self):
+        weight, _ = _params()
+        self.assertExpectedInline(
+            self._reason(lambda h, t: F.cross_entropy(F.linear(h, weight) * -2.0, t), torch.randn(6, D),
+                         torch.randint(0, V, (6,))),
+            """\
+cce applied=False proof=None: mul (call_function mul) scales the logits by -2.0; memopt.cce takes a positive, finite scale""",
+        )
+
+    def test_returned_part_way_through_the_transform(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            scaled = F.linear(h, weight) * SCALE
+            return scaled, F.cross_entropy(torch.tanh(scaled / CAP) * CAP, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """\
+cce applied=False proof=None: the logits are returned from the compiled graph part-way through their transform (scaled, before mul_1); memopt's ops return the classifier's logits or the fully transformed ones""")
+
+    def test_returned_after_a_cast_and_a_transform(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            logits = F.linear(h, weight).double() * SCALE
+            return logits, F.cross_entropy(logits, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """\
+cce applied=False proof=None: the transformed logits (logits) are returned from the compiled graph, but a cast or view comes between the classifier and their transform; memopt's ops return logits transformed in the classifier's dtype and layout""")
+
+    def test_raw_and_transformed_both_returned(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            raw = F.linear(h, weight)
+            logits = raw / DIVISOR
+            return raw, logits, F.cross_entropy(logits, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """\
+cce applied=False proof=None: the logits are used outside the loss both before and after their transform (logits, raw); memopt's ops return one of them""")
+
+    def test_scaled_log_probabilities(self):
+        weight, _ = _params()
+
+        def fn(h, t):
+            return F.nll_loss(torch.log_softmax(F.linear(h, weight), dim=-1) * SCALE, t)
+
+        self.assertExpectedInline(self._reason(fn, torch.randn(6, D), torch.randint(0, V, (6,))), """cce applied=False proof=None: nll_loss input is not a log_softmax of logits""")

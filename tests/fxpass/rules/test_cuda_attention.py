@@ -203,3 +203,69 @@ def test_cases_cudnn_does_not_serve_run_memopt_with_the_reason():
         assert record.params["kernel_reason"] == reason
         if options:  # bf16 through memopt's kernel (its fp32 numerics are pinned in tests/lowerings)
             _assert_within_eager(fn, inputs, grad, records, out, grads)
+
+
+class _Gemma2Like(torch.nn.Module):
+    """What Gemma 2's eager attention reads from its module: grouped heads, the head dim, training mode."""
+
+    num_key_value_groups = H // KV_HEADS
+    head_dim = D
+
+
+_GEMMA2 = _Gemma2Like().eval()
+
+
+def _gemma2(q, k, v, pad, window, softcap=50.0):
+    """transformers' Gemma 2 eager attention (softcap between the scaled scores and the mask) with its own masks:
+    0 / finfo.min added, a sliding window of ``window`` keys or causal, key padding from ``pad``."""
+    from transformers import masking_utils
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    function = (masking_utils.sliding_window_causal_mask_function(window) if window is not None
+                else masking_utils.causal_mask_function)
+    # The float64 golden keeps float32's fill: Gemma 2's softmax runs in float32, where float64's would be -inf.
+    dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
+    mask = masking_utils.eager_mask(
+        batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2], mask_function=function,
+        attention_mask=pad.bool(), allow_is_causal_skip=False, dtype=dtype, device=q.device,
+    )
+    return eager_attention_forward(_GEMMA2, q, k, v, mask, scaling=D**-0.5, softcap=softcap)[0].transpose(1, 2)
+
+
+@pytest.mark.parametrize("window", [None, 32], ids=["global", "sliding"])
+@pytest.mark.parametrize("padding", ["right", "left"])
+def test_gemma2_softcap_and_window_run_memopt_within_eager(window, padding):
+    """Gemma 2's layers on CUDA in bf16: softcap (50) and sliding window stay on memopt's kernel (no library kernel
+    caps scores) with the reason recorded; rows without keys (left padding, right padding past a window) get eager's
+    mean of v and its gradients through the cap; every error against float64 is at most twice eager's."""
+    q, k, v = (t.detach().mul(4).requires_grad_() for t in _qkv())  # scores large enough for the cap to bend them
+    inputs = [q, k, v, _padding(padding)]
+    grad = torch.randn(B, H, T, D, device="cuda")
+    fn = lambda q, k, v, pad: _gemma2(q, k, v, pad, window)  # noqa: E731
+    out, grads, records = _run(fn, inputs, grad)
+    (record,) = records
+    assert record.applied and record.params["lowering"] == "memopt.flash_attention", record
+    assert record.params["kernel_reason"] == "cuDNN does not serve it: a softcap: no library attention kernel caps the scores"
+    assert record.params.get("window") == window and record.params["softcap"] == 50.0
+    _assert_within_eager(fn, inputs, grad, records, out, grads)
+
+
+def test_sdpa_sliding_window_runs_memopt_with_the_window():
+    """Mistral-style SDPA with a [B, 1, T, T] sliding-window mask: memopt's kernel with the window argument (the
+    mask is no longer built), within eager's numerics."""
+    from transformers import masking_utils
+
+    def fn(q, k, v, pad):
+        mask = masking_utils.sdpa_mask(
+            batch_size=B, q_length=T, kv_length=T, mask_function=masking_utils.sliding_window_causal_mask_function(16),
+            attention_mask=pad.bool(), allow_is_causal_skip=False, device=q.device,
+        )
+        return F.scaled_dot_product_attention(q, _repeat_kv(k), _repeat_kv(v), attn_mask=mask)
+
+    inputs = [*_qkv(), _padding("right")]
+    grad = torch.randn(B, H, T, D, device="cuda")
+    out, grads, records = _run(fn, inputs, grad)
+    (record,) = records
+    assert record.applied and record.params["window"] == 16 and record.params["lowering"] == "memopt.flash_attention"
+    assert "a sliding window" in record.params["kernel_reason"]
+    _assert_within_eager(fn, inputs, grad, records, out, grads)

@@ -29,11 +29,15 @@ def _transient(q, k) -> int:
     return sum(value for name, value in terms.items() if name != LSE)
 
 
-def _peaks(q, k, v, bias, causal=False, dropout_p=0.0, bias_grad=False) -> tuple[int, int]:
-    forward, (out, lse) = peak_temporary_bytes(lambda: reference.forward(q, k, v, bias, 0.3, causal, dropout_p, 5))
+def _peaks(q, k, v, bias, causal=False, dropout_p=0.0, bias_grad=False, softcap=None, window=None) -> tuple[int, int]:
+    forward, (out, lse) = peak_temporary_bytes(
+        lambda: reference.forward(q, k, v, bias, 0.3, causal, dropout_p, 5, softcap, window)
+    )
     grad_out = torch.randn_like(out)
     backward, _ = peak_temporary_bytes(
-        lambda: reference.backward(q, k, v, bias, out, lse, grad_out, 0.3, causal, dropout_p, 5, bias_grad)
+        lambda: reference.backward(
+            q, k, v, bias, out, lse, grad_out, 0.3, causal, dropout_p, 5, bias_grad, softcap, window
+        )
     )
     return forward, backward
 
@@ -47,6 +51,12 @@ CASES = {
         shape=(2, 4, 2, 100, 90, 16), dtype=torch.float64, bias_shape=(1, 4, 100, 90), dropout_p=0.2, bias_grad=True
     ),
     "bf16-bias-cast": dict(shape=(2, 4, 4, 128, 128, 16), dtype=torch.bfloat16, bias_shape=(2, 1, 1, 128)),
+    # the softcap's slope reuses the probabilities' buffer; a window's mask is one boolean per block pair
+    "softcap-window-gqa": dict(shape=(2, 4, 2, 128, 128, 16), dtype=torch.float32, causal=True, softcap=2.0, window=9),
+    "bf16-window-dropout-learned-bias": dict(
+        shape=(2, 4, 2, 100, 100, 16), dtype=torch.bfloat16, bias_shape=(1, 4, 100, 100), causal=True, window=17,
+        dropout_p=0.2, bias_grad=True, softcap=1.5,
+    ),
 }
 
 
