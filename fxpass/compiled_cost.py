@@ -104,7 +104,7 @@ def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     back: dict[sympy.Symbol, sympy.Expr] = {}
     fresh = [_refake(value, mode, env, back) for value in example_inputs]
     graphs: dict[str, fx.GraphModule] = {}
-    graph_env = _graph_env(example_inputs)
+    target_env = graph_env(example_inputs)
 
     def partition(joint, joint_inputs, **kwargs):
         # kept here: the backward compiler runs only at the first backward call
@@ -122,14 +122,15 @@ def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
         )
     if "backward" not in graphs:  # nothing needs a gradient: nothing is saved
         peak = _peak(graphs["forward"], set(), outputs_from=0)
-        return CompiledCost(0, _to_graph(peak, back, graph_env), 0)
+        return CompiledCost(0, _to_graph(peak, back, target_env), 0)
     forward, backward = graphs["forward"], graphs["backward"]
     saved_nodes = _saved_nodes(forward, backward)
-    primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]
-    inputs = {storage for storage in primals if storage is not None}
+    primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]  # None for a SymInt input
+    index_of = {storage: index for index, storage in enumerate(primals) if storage is not None}
+    inputs = set(index_of)
     saved = _sum_storages([n for n in saved_nodes if _storage(n) not in inputs])
     described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)
-    saved_inputs = frozenset(primals.index(_storage(n)) for n in saved_nodes if _storage(n) in inputs)
+    saved_inputs = frozenset(index_of[_storage(n)] for n in saved_nodes if _storage(n) in inputs)
     forward_peak = _peak(forward, inputs, outputs_from=outputs)
     # In the backward the saved activations and incoming gradients are alive from its start and die at their last
     # use (Inductor reuses a donated saved buffer); the forward's inputs are not counted.
@@ -137,8 +138,8 @@ def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     held = {_storage(n) for n in backward.graph.find_nodes(op="placeholder") if n.name in of_inputs}
     backward_peak = _peak(backward, held, outputs_from=0, live_from_start=True)
     return CompiledCost(
-        _to_graph(saved, back, graph_env), _to_graph(forward_peak, back, graph_env),
-        _to_graph(backward_peak, back, graph_env), described, saved_inputs,
+        _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
+        _to_graph(backward_peak, back, target_env), described, saved_inputs,
     )
 
 
@@ -213,18 +214,18 @@ def _resize(size, env: ShapeEnv, back: dict[sympy.Symbol, sympy.Expr]):
     return env.create_symintnode(symbol, hint=shapes.hint(size))
 
 
-def _to_graph(value: IntLike, back: dict[sympy.Symbol, sympy.Expr], graph_env: ShapeEnv | None) -> IntLike:
+def _to_graph(value: IntLike, back: dict[sympy.Symbol, sympy.Expr], target: ShapeEnv | None) -> IntLike:
     """A figure in the private symbols as the graph's: an int where constant, else a SymInt of the graph's
     ``ShapeEnv`` (made from the expression, so no guard) with the same hint."""
     if not isinstance(value, torch.SymInt):
         return int(value)
     expr = shapes.expr(value).xreplace(back)
-    if expr.is_number or graph_env is None:
+    if expr.is_number or target is None:
         return shapes.hint(value) if not expr.is_number else int(expr)
-    return graph_env.create_symintnode(expr, hint=shapes.hint(value))
+    return target.create_symintnode(expr, hint=shapes.hint(value))
 
 
-def _graph_env(example_inputs: Sequence) -> ShapeEnv | None:
+def graph_env(example_inputs: Sequence) -> ShapeEnv | None:
     for value in example_inputs:
         if isinstance(value, torch.Tensor):
             for size in value.shape:

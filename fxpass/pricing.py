@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from torch import fx
 
 from fxpass import shapes
-from fxpass.compiled_cost import CompiledCost, compiled_cost, extract
+from fxpass.compiled_cost import CompiledCost, compiled_cost, extract, graph_env
 from fxpass.config import Config
 from fxpass.graph import example_value
 from fxpass.report import INTERNAL
@@ -64,7 +65,10 @@ class Priced:
         }
 
 
-_CACHE: dict[tuple, CompiledCost] = {}
+# Per shape environment (one per compiled graph, shared by its layers): a cost holds SymInts of that
+# environment, which mean nothing in another graph's.
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, CompiledCost]] = weakref.WeakKeyDictionary()
+_NO_SHAPE_ENV = type("NoShapeEnv", (), {})()  # the key of graphs with static shapes only
 
 
 def price(rule, candidate, config: Config, internal: IntLike = 0) -> Priced:
@@ -106,9 +110,10 @@ def _cost(nodes: list[fx.Node]) -> CompiledCost:
     piece, inputs = extract(nodes, outputs)
     values = [example_value(n) for n in inputs]
     key = (piece.code, tuple(_signature(v) for v in values))
-    if key not in _CACHE:
-        _CACHE[key] = compiled_cost(piece, values)
-    return _CACHE[key]
+    cache = _CACHE.setdefault(graph_env(values) or _NO_SHAPE_ENV, {})
+    if key not in cache:
+        cache[key] = compiled_cost(piece, values)
+    return cache[key]
 
 
 def _signature(value: Any) -> Any:

@@ -88,7 +88,6 @@ def test_pricing_that_fails_keeps_the_decision_and_says_why(monkeypatch):
         raise RuntimeError("no partition")
 
     monkeypatch.setattr(fxpass.pricing, "compiled_cost", refuse)
-    fxpass.pricing._CACHE.clear()
     record = fxpass.explain(_head, *_head_args()).records[0]
     assert record.applied and record.against_compile is None
     assert "priced as the graph is written (against torch.compile: RuntimeError: no partition)" in record.reason
