@@ -144,7 +144,7 @@ def run(name: str, args, device: torch.device) -> list[Row]:
     if device.type == "cuda":
         model = model.to(torch.bfloat16)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
-    params = list(model.parameters())
+    params = [*model.parameters(), *model.buffers()]  # graph inputs: not what the step saves
 
     rows = []
     sets = args.rule_sets.split(",") if name in args.per_rule.split(",") else ["all"]

@@ -71,6 +71,11 @@ _CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, CompiledCost]] = weakref.Weak
 _NO_SHAPE_ENV = type("NoShapeEnv", (), {})()  # the key of graphs with static shapes only
 
 
+def clear_cache() -> None:
+    """Forget the costs of pieces seen so far (their figures for static shapes are kept across graphs)."""
+    _CACHE.clear()
+
+
 def price(rule, candidate, config: Config, internal: IntLike = 0) -> Priced:
     """Try ``rule``'s rewrite of ``candidate`` on a copy of its graph and price both sides (module docstring).
     ``internal``: bytes the inserted ops allocate inside their kernels in the backward (their memory model's

@@ -35,7 +35,9 @@ Snapshot = dict[str, Any]
 
 # Variables their owners set as they go: pytest for each phase of each test, Inductor on its first compile (its
 # cache directory, and a pointer it hands its subprocesses).
-_OWNED_ENVIRON = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_")
+_OWNED_ENVIRON = (
+    "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_", "TRITON_CACHE_DIR", "TRITON_PTXAS_PATH",
+)
 
 
 def _config_modules() -> dict[str, ConfigModule]:

@@ -74,6 +74,8 @@ def test_no_worse_than_eager_same_dtype(dtype, heads, kv_heads, queries, keys, d
 def test_softcap_and_window_no_worse_than_eager(dtype, heads, kv_heads, queries, keys, dim, softcap, window, causal):
     """Gemma 2's softcap (50) and sliding windows (256 keys, one key, 100 keys with the cap) at real sizes, with
     grouped heads and ragged tiles: |ours − fp64| ≤ 2·|eager same dtype − fp64| + floor for out, dq, dk, dv."""
+    if window is not None and causal and queries - keys >= window:
+        pytest.skip("queries past the last key see none in their window: eager and the float64 reference give NaN")
     gen = torch.Generator(device="cuda").manual_seed(queries + (window or 0))
     make = lambda h, t: (3 * torch.randn(2, h, t, dim, device="cuda", generator=gen)).to(dtype).requires_grad_()  # noqa: E731
     q, k, v = make(heads, queries), make(kv_heads, keys), make(kv_heads, keys)  # scores large enough to be capped
