@@ -64,9 +64,9 @@ class Config:
         wta_crs_sampling: how a WTA-CRS group's sample gets into the graph: "traced" (the default: PyTorch that
             Inductor fuses with its neighbours, so no Python runs at training time, but every group's sampling
             compiles kernels of its own) or "opaque" (``memopt::wta_crs_sample``, one op per group that runs its
-            PyTorch and kernels as they are: Inductor compiles nothing for it). On CPU, opaque took a 4-layer
-            GPT-2's first step from 27.2 to 23.6 s and its steps ~4 % longer (BENCHMARKS.md); not measured on
-            CUDA yet.
+            PyTorch and kernels as they are: Inductor compiles nothing for it). On the H200 both step GPT-2
+            small's loss-only SDPA step at 1.14-1.34× torch.compile's time (`benchmarks/e2e.py`, BENCHMARKS.md,
+            "End to end").
         cce_filter_eps: CCE's gradient filter on CUDA: logit-gradient tiles whose every |softmax − target| is
             below it are skipped (faster, approximate gradients). None or 0 keeps gradients exact; "auto" is
             the input dtype's machine epsilon / 32, as Apple's CCE (2⁻¹² for bf16).
@@ -77,9 +77,9 @@ class Config:
             [N] log-sum-exp), "rowwise" (``memopt.cce_rowwise``, 6·N·D·V, keeps the loss's gradients from
             forward to backward) or "auto" (on CUDA the row-wise op where it keeps 3/4 of the chunked one's
             saving, elsewhere the chunked one; logits the graph also returns get ``cce_with_logits``: see
-            ``fxpass/rules/cce.py``). "auto" is the default: on the
-            H200 the row-wise op took GPT-2 small's loss-only step to 0.91× torch.compile's time, where the
-            chunked one gave 1.10× (BENCHMARKS.md).
+            ``fxpass/rules/cce.py``). "auto" is the default: on the H200 the row-wise op takes 1.01-1.04×
+            torch.compile's time for the loss alone, the chunked one 1.50-1.52× (`benchmarks/cce.py`,
+            BENCHMARKS.md, "The CCE op").
         attention_kernel: which kernel computes a rewritten attention on CUDA: "auto" (default) takes cuDNN's
             fused attention (``aten._scaled_dot_product_cudnn_attention``, which accepts a causal flag and a key
             bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always
