@@ -765,7 +765,8 @@ def decide(candidate: CceMatch, config: Config) -> Decision:
 # Measured (`benchmarks/cce.py`, BENCHMARKS.md "The CCE op"): on the H200 the row-wise op takes 1.01-1.04x
 # torch.compile's time where the chunked one takes 1.50-1.52x. Off CUDA, where its chunk loop is PyTorch ops around
 # the GEMMs, it was the slower of the two until its chunks took their gradient in place in five passes, on the
-# classifier unpadded, in chunks of at least 512 rows: compiled through the backend on 2 cores (fp32), 0.93× torch.compile's time at 2048 × 8192 × 128,
+# classifier unpadded, in chunks of at least 512 rows: compiled through the backend on 2 cores (fp32), 0.93×
+# torch.compile's time at 2048 × 8192 × 128,
 # 0.96× at 512 × 50257 × 768 and 1.01× at 2048 × 50257 × 768, where the chunked op took 1.20-1.31×
 # (`benchmarks/cpu_ops.py`, backend rows). So "auto" weighs the two alike on every device.
 # Returned logits are another matter: the detached cce_with_logits recomputes them in the backward (one more
