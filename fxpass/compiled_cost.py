@@ -316,20 +316,14 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
     """The nodes Inductor materializes: extern kernels' results and inputs (through views), the graph's outputs
     from index ``outputs_from`` on (saved tensors in a forward, gradients in a backward) and what they view."""
     materialized: set[fx.Node] = set()
-
-    def base(node: fx.Node) -> fx.Node:
-        while _is_view(node) and isinstance(node.args[0], fx.Node):
-            node = node.args[0]
-        return node
-
     for node in gm.graph.nodes:
         if node.op != "call_function" or not _is_tensor(node):
             continue
         if _is_extern(node):
             materialized.add(node)
-            materialized.update(base(a) for a in node.all_input_nodes if _is_tensor(a))
+            materialized.update(_root(a) for a in node.all_input_nodes if _is_tensor(a))
     results = gm.graph.find_nodes(op="output")[0].args[0]
-    materialized.update(base(n) for n in results[outputs_from:] if isinstance(n, fx.Node) and _is_tensor(n))
+    materialized.update(_root(n) for n in results[outputs_from:] if isinstance(n, fx.Node) and _is_tensor(n))
     return {n for n in materialized if n.op == "call_function" and not _is_view(n)}
 
 
