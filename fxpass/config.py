@@ -75,11 +75,11 @@ class Config:
             the graph still runs on its own device.
         cce_variant: which CCE op serves a scalar loss: "chunked" (``memopt.cce``, 8·N·D·V FLOPs, keeps only an
             [N] log-sum-exp), "rowwise" (``memopt.cce_rowwise``, 6·N·D·V, keeps the loss's gradients from
-            forward to backward) or "auto" (on CUDA the row-wise op where it keeps 3/4 of the chunked one's
-            saving, elsewhere the chunked one; logits the graph also returns get ``cce_with_logits``: see
-            ``fxpass/rules/cce.py``). "auto" is the default: on the H200 the row-wise op takes 1.01-1.04×
-            torch.compile's time for the loss alone, the chunked one 1.50-1.52× (`benchmarks/cce.py`,
-            BENCHMARKS.md, "The CCE op").
+            forward to backward) or "auto" (the row-wise op where it keeps 3/4 of the chunked one's saving,
+            each priced against torch.compile under ``pricing="compile"``, else the chunked one; logits the graph
+            also returns get ``cce_with_logits`` on CUDA: see ``fxpass/rules/cce.py``). "auto" is the default:
+            on the H200 the row-wise op takes 1.01-1.04× torch.compile's time for the loss alone, the chunked one
+            1.50-1.52× (`benchmarks/cce.py`, BENCHMARKS.md, "The CCE op").
         attention_kernel: which kernel computes a rewritten attention on CUDA: "auto" (default) takes cuDNN's
             fused attention (``aten._scaled_dot_product_cudnn_attention``, which accepts a causal flag and a key
             bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always

@@ -44,6 +44,21 @@ class Explanation:
                 totals[name] += graph.step[name].hints()["saved"]
         return totals
 
+    def peak_bytes(self) -> dict[str, int] | None:
+        """The step's simulated peak beyond its inputs under torch.compile and under memopt (hints); None where a
+        graph was not priced. Graphs run one after another, each while the tensors the earlier ones saved for
+        the backward are alive: the largest of those sums (``GraphReport.peaks``)."""
+        totals = {"torch.compile": 0, "memopt": 0}
+        held = dict.fromkeys(totals, 0)
+        for graph in self.graphs:
+            peaks = graph.peaks()
+            if peaks is None:
+                return None
+            for name in totals:
+                totals[name] = max(totals[name], held[name] + peaks[name])
+                held[name] += graph.step[name].hints()["saved"]
+        return totals
+
     def __str__(self) -> str:
         if not self.graphs:
             return "memopt: Dynamo captured no graph"

@@ -62,6 +62,7 @@ class Priced:
             "torch.compile keeps": list(self.before.saved_tensors),
             "memopt keeps": list(self.after.saved_tensors),
             INTERNAL: shapes.render(self.internal),
+            "internal_hint": shapes.hint(self.internal),
         }
 
 

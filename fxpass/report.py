@@ -80,14 +80,24 @@ class GraphReport:
             return None
         if "error" in self.step:
             return f"whole graph not priced: {self.step['error']}"
-        compile_, memopt = self.step["torch.compile"].hints(), self.step["memopt"].hints()
+        peaks = self.peaks()
         return (
-            f"saved for the backward: {format_bytes(compile_['saved'])} under torch.compile, "
-            f"{format_bytes(memopt['saved'])} under memopt; the graph's own peak beyond its inputs: "
-            f"{format_bytes(max(compile_['forward_peak'], compile_['backward_peak']))} and "
-            f"{format_bytes(max(memopt['forward_peak'], memopt['backward_peak']))} (memopt's kernels' own "
-            "buffers aside)"
+            f"saved for the backward: {format_bytes(self.step['torch.compile'].hints()['saved'])} under "
+            f"torch.compile, {format_bytes(self.step['memopt'].hints()['saved'])} under memopt; the graph's own "
+            f"peak beyond its inputs: {format_bytes(peaks['torch.compile'])} and {format_bytes(peaks['memopt'])}"
         )
+
+    def peaks(self) -> dict[str, int] | None:
+        """The graph's simulated peak beyond its inputs (hints), forward or backward, under torch.compile and
+        under memopt; memopt's adds the largest buffer its ops allocate inside their kernels (one op runs at a
+        time), which the partitioner cannot see."""
+        if self.step is None or "error" in self.step:
+            return None
+        internal = max((r.against_compile.get("internal_hint", 0) for r in self.applied if r.against_compile),
+                       default=0)
+        peak = {name: max(cost.hints()["forward_peak"], cost.hints()["backward_peak"])
+                for name, cost in self.step.items()}
+        return {"torch.compile": peak["torch.compile"], "memopt": peak["memopt"] + internal}
 
     @property
     def applied(self) -> list[RewriteRecord]:

@@ -73,7 +73,7 @@ def _run_rule(
                 decision = checkpoint.decide_in_region(rule.name, decision, region)
             records.append(_record(rule.name, candidate, decision, config, region))
             if decision.apply:
-                rule.apply(gm, candidate, config)
+                rule.apply(gm, candidate, decision.config or config)
         gm.graph.lint()
     except Exception as error:
         if config.strict:
@@ -105,16 +105,29 @@ PRICED_RULES = ("cce", "attention")
 def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) -> Decision:
     """``decision`` taken again on what the rewrite frees against torch.compile (``fxpass.pricing``), where it
     was taken on a memory model (not declined outright) and pricing is on; the graph-as-written figure is kept
-    in the record. A piece that cannot be priced keeps the decision as it was, with why."""
+    in the record. Where the rule weighs variants (``Rule.choose``), each is priced and the chosen one decided
+    and applied. A piece that cannot be priced keeps the decision as it was, with why."""
     if config.pricing != "compile" or rule.name not in PRICED_RULES or not decision.what:
         return decision  # (``what`` is set where the decision was taken on the memory model alone)
+    trials: dict[Config, tuple[Decision, pricing.Priced]] = {}
+
+    def priced_under(trial: Config) -> tuple[Decision, pricing.Priced]:
+        if trial not in trials:
+            taken = decision if trial == config else rule.decide(candidate, trial)
+            trials[trial] = taken, pricing.price(rule, candidate, trial, pricing.internal_bytes(taken.memory.after))
+        return trials[trial]
+
     try:
-        priced = pricing.price(rule, candidate, config, pricing.internal_bytes(decision.memory.after))
+        choice = rule.choose(candidate, config, priced_under) if rule.choose is not None else None
+        chosen, why = choice if choice is not None else (config, "")
+        taken, priced = priced_under(chosen)
     except Exception as error:  # a piece the partitioner cannot take: the rewrite itself is not at fault
         log.debug("memopt could not price %s against torch.compile", rule.name, exc_info=True)
         note = f"priced as the graph is written (against torch.compile: {error_note(error)})"
         return dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
-    return decide_against_compile(decision, priced, config)
+    if choice is not None:
+        taken = dataclasses.replace(taken, config=chosen, params={**taken.params, "variant_reason": why})
+    return decide_against_compile(taken, priced, config)
 
 
 def _record(

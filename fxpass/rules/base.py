@@ -44,6 +44,13 @@ class Decision:
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # choices the rule made, for the record
     what: str = ""  # what the rewrite does, the head of the reason
     priced: Any = None  # fxpass.pricing.Priced: what it frees against torch.compile, when priced so
+    config: Config | None = None  # the config to apply under, where pricing chose among the rule's variants
+
+
+# A rule's choice among its variants on what each frees against torch.compile: given the candidate, the config
+# and a function pricing the rewrite under a config (its decision, and what it frees), the config to decide and
+# apply under and why; None where the rule has nothing to weigh.
+Chooser = Callable[[Any, Config, Callable[[Config], tuple[Decision, Any]]], tuple[Config, str] | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Rule:
     match: Callable[[GraphFacts], list[Any]]
     decide: Callable[[Any, Config], Decision]
     apply: Callable[[fx.GraphModule, Any, Config], None]
+    choose: Chooser | None = None
 
 
 def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision:

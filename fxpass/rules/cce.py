@@ -816,14 +816,37 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
             f"keeps {held} more (the gradients it takes, a chunk beside the logits) at the forward's end, the step's "
             "peak; for one more 2·N·D·V GEMM"
         )
+    return three_quarters(candidate, rowwise, chunked, "")
+
+
+def three_quarters(
+    candidate: CceMatch, rowwise: shapes.IntLike, chunked: shapes.IntLike, against: str
+) -> tuple[str, str]:
+    """The 3/4 rule on what each variant frees (``against``: what that is measured against, for the reason)."""
     kept = shapes.clears(4 * rowwise - 3 * chunked, 0).pays  # for every shape if provable, else at the hints
     figures = f"the row-wise variant frees {shapes.format_bytes(shapes.hint(rowwise))} of the chunked one's " \
-        f"{shapes.format_bytes(shapes.hint(chunked))}"
+        f"{shapes.format_bytes(shapes.hint(chunked))}{against}"
     if candidate.returns_logits:  # off CUDA
         return ("rowwise", f"{RETURNED_LOGITS_OFF_CUDA}; {figures}") if kept else (
             "chunked", f"{figures}, under 3/4: the detached cce_with_logits, which keeps nothing for the backward"
         )
     return ("rowwise", figures) if kept else ("chunked", f"{figures}, under 3/4, so 8·N·D·V FLOPs")
+
+
+def choose(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | None:
+    """"auto"'s 3/4 rule (``choose_variant``) on what each variant frees against torch.compile (``priced``: a
+    config's decision and ``fxpass.pricing.Priced``), where "auto" weighs the two on memory. The graph as
+    written charges fp32 log-probabilities and logit copies torch.compile never keeps, so there the row-wise op
+    looked nearly as good as the chunked one: 8.3 of 9.7 GiB at N=8192, V=128256, D=2048, where the op
+    benchmark measured 1.0 of 1.9 GiB against torch.compile (`benchmarks/cce.py`)."""
+    if candidate.blocker or config.cce_variant != "auto" or _rowwise_blocker(candidate, config) is not None:
+        return None
+    if candidate.returns_logits and config.memory_device(tensor_value(candidate.hidden).device).type == "cuda":
+        return None  # decided on time (``_head_alone``), not on memory
+    rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
+    chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
+    variant, why = three_quarters(candidate, rowwise, chunked, " against torch.compile")
+    return dataclasses.replace(config, cce_variant=variant), why
 
 
 # Matmuls counted by ``_head_alone``, with the position of their left operand (``addmm`` takes a bias first).
@@ -1137,4 +1160,4 @@ def _replay_reshape(add, node: fx.Node, hidden: fx.Node, dim) -> fx.Node:
     return add("call_method", "reshape", hidden, *shape[:-1], new_last)
 
 
-RULE = Rule(name=NAME, match=match, decide=decide, apply=apply)
+RULE = Rule(name=NAME, match=match, decide=decide, apply=apply, choose=choose)

@@ -635,6 +635,41 @@ class TestVariant(TestCase):
         self.assertIn("of the chunked one's", record.params["variant_reason"])
         self.assertIn("torch.ops.memopt.cce_rowwise.default", after_code(ex))
 
+    def test_auto_weighs_the_variants_against_torch_compile(self):
+        """The 3/4 rule on what each variant frees against torch.compile, not on the graph as written: there the
+        fp32 log-probabilities eager would keep make the row-wise op look as good as the chunked one (67.5 against
+        71.5 MiB here), where torch.compile keeps only the bf16 logits and the row-wise op's fp32 ∂C costs half of
+        them. Each figure in the reason is the one the forced variant's record carries, and the op applied is
+        the chosen one."""
+        vocab, dim, tokens = 8192, 256, 1024
+        fn, _ = self._loss(vocab=vocab, dim=dim, dtype=torch.bfloat16)
+        hidden = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
+        targets = torch.randint(0, vocab, (1, tokens))
+
+        def decided(**options):
+            torch._dynamo.reset()
+            ex = rewritten(fn, hidden, targets, force=False, assume_device="cuda", **options)
+            return ex, ex.records[0]
+
+        _, eager = decided(pricing="eager")
+        self.assertEqual(eager.params["variant"], "rowwise")
+        self.assertNotIn("against torch.compile", eager.params["variant_reason"])
+        ex, auto = decided(cce_variant="auto")
+        peak = {v: decided(cce_variant=v)[1].against_compile["peak_hint"] for v in ("rowwise", "chunked")}
+        self.assertLess(4 * peak["rowwise"], 3 * peak["chunked"])
+        self.assertEqual(auto.params["variant"], "chunked")
+        figures = [fxpass.shapes.format_bytes(peak[v]) for v in ("rowwise", "chunked")]
+        self.assertEqual(
+            auto.params["variant_reason"],
+            f"the row-wise variant frees {figures[0]} of the chunked one's {figures[1]} against torch.compile, "
+            "under 3/4, so 8·N·D·V FLOPs",
+        )
+        self.assertEqual(auto.against_compile["peak_hint"], peak["chunked"])
+        code = after_code(ex)
+        self.assertIn("torch.ops.memopt.cce.default(", code)
+        self.assertNotIn("cce_rowwise", code)
+        torch.testing.assert_close(ex.result, fn(hidden, targets), atol=2e-2, rtol=1e-2)
+
     def _returned_logits_loss(self, vocab: int, dim: int, body=None):
         """Logits returned beside their loss, after ``body`` (a module, or a function of the hidden states) or
         straight from the inputs (the head alone in its graph, as FSDP2's per-block frames leave it)."""
