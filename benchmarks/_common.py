@@ -4,6 +4,7 @@ memory between measurements, peaks, turns, reports and one-line error notes."""
 from __future__ import annotations
 
 import gc
+import linecache
 import logging
 import time
 from collections.abc import Callable
@@ -155,7 +156,10 @@ def _site(frames: list[dict]) -> str:
         name = frame.get("filename", "")
         ours = "/torch/" not in name or "/torch/optim/" in name or "torchinductor" in name
         if ours and not name.startswith("<"):
-            return f"{'/'.join(name.split('/')[-2:])}:{frame.get('line')} {frame.get('name')}"
+            site = f"{'/'.join(name.split('/')[-2:])}:{frame.get('line')} {frame.get('name')}"
+            if "torchinductor" in name:  # generated code: its line names the buffer, its shape and dtype
+                site += f" `{linecache.getline(name, frame.get('line', 0)).strip()[:120]}`"
+            return site
     return "(torch internals)"
 
 

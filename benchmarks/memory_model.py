@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import release_memory, set_up
+from benchmarks._common import peak_breakdown, release_memory, set_up
 
 log = logging.getLogger("memory_model")
 
@@ -82,14 +82,17 @@ class Row:
     measured_saved: dict[str, int] | None = None
     predicted_drop: int | None = None
     simulated_drop: int | None = None  # the whole step simulated under each backend (``Explanation.peak_bytes``)
+    simulated_peak: dict[str, int] | None = None  # torch.compile, memopt: beyond the step's inputs
+    measured_peak: dict[str, int] | None = None
     measured_drop: int | None = None
     error: str | None = None
 
 
-def measure(step, ids, backend, kept, device: torch.device) -> tuple[int, int | None]:
+def measure(step, ids, backend, kept, device: torch.device, breakdown: Path | None = None) -> tuple[int, int | None]:
     """(bytes of the storages the compiled step saves for its backward, counted by a pack hook with ``kept`` and
     ``ids`` aside; on CUDA the step's peak bytes above what was allocated before it, warm). Fake tensors saved
-    while compiling are no step's."""
+    while compiling are no step's. ``breakdown``: where to write what was alive at the CUDA peak, by the line of
+    generated code that allocated it (``_common.peak_breakdown``)."""
     from torch._subclasses.fake_tensor import is_fake
 
     skip = {t.untyped_storage().data_ptr() for t in (*kept, ids)}
@@ -110,8 +113,14 @@ def measure(step, ids, backend, kept, device: torch.device) -> tuple[int, int | 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
+    if breakdown is not None:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     compiled(ids).backward()
     torch.cuda.synchronize(device)
+    if breakdown is not None:
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+        torch.cuda.memory._record_memory_history(enabled=None)
+        breakdown.write_text(peak_breakdown(trace, before, top=25) + "\n")
     return sum(storages.values()), torch.cuda.max_memory_allocated(device) - before
 
 
@@ -163,15 +172,18 @@ def run(name: str, args, device: torch.device) -> list[Row]:
             row.predicted_drop = predicted_drop(explanation)
             peaks = explanation.peak_bytes()
             row.simulated_drop = None if peaks is None else peaks["torch.compile"] - peaks["memopt"]
+            row.simulated_peak = peaks
             measured = {}
             for variant, compiler in (("torch.compile", "inductor"), ("memopt", backend)):
                 model.zero_grad(set_to_none=True)
                 release_memory()
-                measured[variant] = measure(step, ids, compiler, params, device)
+                breakdown = args.out / f"peak-{name}-{rules}-{variant}.md" if args.breakdown and args.out else None
+                measured[variant] = measure(step, ids, compiler, params, device, breakdown)
             model.zero_grad(set_to_none=True)
             row.measured_saved = {variant: saved for variant, (saved, _) in measured.items()}
             if device.type == "cuda":
                 row.measured_drop = measured["torch.compile"][1] - measured["memopt"][1]
+                row.measured_peak = {variant: peak for variant, (_, peak) in measured.items()}
         except Exception as error:  # one failing case leaves the others measured
             log.exception("%s / %s failed", name, rules)
             row.error = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
@@ -224,6 +236,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--per-rule", default="gpt2,llama-1b", help="models measured with each rule alone too")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a smoke run of the script)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--breakdown", action="store_true", help="CUDA: what is alive at each step's peak, to --out")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     set_up(args.out, quiet_rules=True)

@@ -1,0 +1,95 @@
+"""The model-zoo benchmark on tiny models (CPU, aot_eager): both backends run each family with and without a padded
+mask, memopt's side reports its rewrites, their losses agree; a family this transformers lacks gets a row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from benchmarks import zoo
+from tests.leaks import loggers_restored
+
+FAMILIES = ("gpt2", "gemma2", "cohere", "bert")  # plain, logit softcap, logit scale, masked LM
+QUICK = ["--tiny", "--device", "cpu", "--steps", "1", "--inner", "aot_eager", "--seq", "32"]
+
+
+def run(tmp_path, *argv: str) -> list[zoo.Case]:
+    with loggers_restored("", "fxpass"):  # main sets logging up as a script does
+        return zoo.main([*QUICK, "--out", str(tmp_path), *argv])
+
+
+def assert_both_backends_agree(case: zoo.Case) -> None:
+    assert set(case.runs) == set(zoo.BACKENDS), case
+    assert all(run.error is None and run.step_ms > 0 and run.peak_mib > 0 for run in case.runs.values()), case
+    # the same weights and batch: memopt's fused loss (and attention) give torch.compile's loss
+    assert case.runs["memopt"].loss == pytest.approx(case.runs["torch.compile"].loss, rel=1e-4), case
+    assert case.rules["cce"] == "applied 1/1", case  # every family's head and loss, the masked LM's too
+    assert case.graphs == 1, case  # the whole step in one graph: no break between head and loss
+
+
+def test_padded_run_fills_the_table(tmp_path):
+    cases = run(tmp_path, "--families", ",".join(FAMILIES), "--masks", "padded")
+
+    assert [(case.family, case.mask) for case in cases] == [(family, "padded") for family in FAMILIES]
+    for case in cases:
+        assert_both_backends_agree(case)
+        # a padded mask reaches SDPA as a [B, 1, T, T] boolean (Gemma 2's eager attention as a bias under a
+        # softcap), which the rule rewrites in both layers
+        assert case.rules["attention"] == "applied 2/2", case
+    report = (tmp_path / "zoo.md").read_text()
+    assert "| gpt2 | padded | applied 1/1 | applied 2/2 |" in report and "| bert | padded |" in report
+    assert "Families missing the targets" in report
+    assert len(json.loads((tmp_path / "zoo.json").read_text())) == len(cases)
+
+
+def test_without_a_mask_sdpa_is_left_as_it_is(tmp_path):
+    [case] = run(tmp_path, "--families", "gpt2", "--masks", "none")
+
+    assert_both_backends_agree(case)
+    assert case.rules["attention"] == "applied 0/2", case  # causal SDPA without a mask is already fused
+    assert "attention declined: F.scaled_dot_product_attention is already a fused kernel" in case.note
+
+
+def test_a_family_missing_from_transformers_gets_a_row(tmp_path, monkeypatch):
+    monkeypatch.setitem(zoo.FAMILIES, "future", zoo.Family("FutureConfig", "FutureForCausalLM", {}))
+    [case] = run(tmp_path, "--families", "future", "--masks", "none")
+
+    version = ".".join(transformers.__version__.split(".")[:2])
+    assert case.note == f"not in transformers {version} (FutureConfig, FutureForCausalLM)"
+    assert case.runs == {}
+    report = (tmp_path / "zoo.md").read_text()
+    assert f"| future | none | - | - | - | - | - | - | - | - | not in transformers {version}" in report
+    assert "future (no CCE (none), not measured (none))" in report
+
+
+@pytest.mark.parametrize("name", list(zoo.FAMILIES))
+def test_every_family_config_has_its_layers_and_no_dropout(name):
+    family = zoo.FAMILIES[name]
+    config_class, _ = zoo.family_classes(family)
+    config = config_class(**zoo.config_sizes(family, layers=3, tiny=True))
+    zoo.without_dropout(config)
+
+    assert config.num_hidden_layers == 3  # T5's encoder; its decoder too:
+    assert getattr(config, "num_decoder_layers", 3) == 3
+    assert config.vocab_size == zoo.TINY_SIZES["vocab_size"]
+    dropouts = {key: value for key, value in config.to_dict().items() if "dropout" in key or "pdrop" in key}
+    assert all(value in (0.0, None) for value in dropouts.values()), dropouts
+
+
+def test_targets_name_the_families_that_miss_them():
+    def case(family: str, cce: str, peak: float, step: float, decoder: bool = True) -> zoo.Case:
+        runs = {"torch.compile": zoo.Run("torch.compile", step_ms=10.0, peak_mib=100.0),
+                "memopt": zoo.Run("memopt", step_ms=step, peak_mib=peak)}
+        return zoo.Case(family, "none", decoder, rules={"cce": cce}, runs=runs)
+
+    line = zoo.targets_line([
+        case("good", "applied 1/1", 60.0, 10.0),
+        case("heavy", "applied 1/1", 80.0, 9.0),
+        case("slow", "applied 1/1", 50.0, 10.5),
+        case("encoder", "applied 1/1", 95.0, 12.0, decoder=False),  # an encoder needs CCE only
+        case("uncut", "applied 0/1", 100.0, 10.0, decoder=False),
+    ])
+
+    assert line.endswith(": heavy (peak 0.80× (none)); slow (time 1.05× (none)); uncut (no CCE (none))"), line
