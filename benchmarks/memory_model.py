@@ -153,7 +153,7 @@ def run(name: str, args, device: torch.device) -> list[Row]:
         model = build(name, args.layers, args.tiny).to(device)
         vocab, batch, seq, step = model.config.vocab_size, args.batch, args.seq, _loss_step(model)
 
-    if device.type == "cuda":
+    if args.precision == "bf16":
         model = model.to(torch.bfloat16)
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     params = [*model.parameters(), *model.buffers()]  # graph inputs: not what the step saves
@@ -236,11 +236,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--per-rule", default="gpt2,llama-1b", help="models measured with each rule alone too")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a smoke run of the script)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="weights (default: bf16 on CUDA)")
     parser.add_argument("--breakdown", action="store_true", help="CUDA: what is alive at each step's peak, to --out")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     set_up(args.out, quiet_rules=True)
     device = torch.device(args.device)
+    args.precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     rows = [row for name in args.models.split(",") for row in run(name, args, device)]
     text = table(rows)
     print(text)

@@ -11,6 +11,11 @@ import torch.nn.functional as F
 import fxpass
 from fxpass.rules.attention import CUDNN_LOWERING
 
+# Imported here, not inside the functions Dynamo traces: a first import under tracing runs transformers' lazy
+# imports (scikit-learn, SciPy) through Dynamo, which fails on some SciPy releases and leaves their settings behind.
+masking_utils = pytest.importorskip("transformers.masking_utils")
+eager_attention_forward = pytest.importorskip("transformers.models.gemma2.modeling_gemma2").eager_attention_forward
+
 pytestmark = [pytest.mark.gpu]
 
 B, H, KV_HEADS, T, D = 3, 4, 2, 120, 64  # 120 keys: the key bias is padded to cuDNN's alignment of 8
@@ -218,9 +223,6 @@ _GEMMA2 = _Gemma2Like().eval()
 def _gemma2(q, k, v, pad, window, softcap=50.0):
     """transformers' Gemma 2 eager attention (softcap between the scaled scores and the mask) with its own masks:
     0 / finfo.min added, a sliding window of ``window`` keys or causal, key padding from ``pad``."""
-    from transformers import masking_utils
-    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
-
     function = (masking_utils.sliding_window_causal_mask_function(window) if window is not None
                 else masking_utils.causal_mask_function)
     # The float64 golden keeps float32's fill: Gemma 2's softmax runs in float32, where float64's would be -inf.
@@ -253,8 +255,6 @@ def test_gemma2_softcap_and_window_run_memopt_within_eager(window, padding):
 def test_sdpa_sliding_window_runs_memopt_with_the_window():
     """Mistral-style SDPA with a [B, 1, T, T] sliding-window mask: memopt's kernel with the window argument (the
     mask is no longer built), within eager's numerics."""
-    from transformers import masking_utils
-
     def fn(q, k, v, pad):
         mask = masking_utils.sdpa_mask(
             batch_size=B, q_length=T, kv_length=T, mask_function=masking_utils.sliding_window_causal_mask_function(16),
