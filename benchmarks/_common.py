@@ -157,9 +157,8 @@ def _site(frames: list[dict]) -> str:
         ours = "/torch/" not in name or "/torch/optim/" in name or "torchinductor" in name
         if ours and not name.startswith("<"):
             site = f"{'/'.join(name.split('/')[-2:])}:{frame.get('line')} {frame.get('name')}"
-            if "torchinductor" in name:  # generated code: its line names the buffer, its shape and dtype
-                site += f" `{linecache.getline(name, frame.get('line', 0)).strip()[:120]}`"
-            return site
+            code = linecache.getline(name, frame.get("line", 0)).strip() if "torchinductor" in name else ""
+            return f"{site} `{code[:120]}`" if code else site  # generated code's line: the buffer, shape, dtype
     return "(torch internals)"
 
 
