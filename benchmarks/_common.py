@@ -104,6 +104,15 @@ def cpu_peak(fn: Callable[[], T]) -> tuple[T, int]:
     return result, peak
 
 
+def peak_mib(step: Callable[[], object], device: torch.device) -> float:
+    """One step's peak in MiB above what was allocated before it (the profiler's allocator events on CPU)."""
+    if device.type == "cuda":
+        _, peak, before = cuda_peak(step)
+        return (peak - before) / 2**20
+    _, peak = cpu_peak(step)
+    return peak / 2**20
+
+
 def peak_breakdown(trace: list[dict], before: int, top: int = 15) -> str:
     """Where a recorded stretch of CUDA allocations peaked, and what was alive there, as text.
 

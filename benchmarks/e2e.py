@@ -41,7 +41,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import cpu_peak, cuda_peak, error_note, header, in_turns, release_memory, set_up, write_report
+from benchmarks._common import (
+    error_note,
+    header,
+    in_turns,
+    peak_mib,
+    release_memory,
+    set_up,
+    write_report,
+)
 
 log = logging.getLogger("benchmarks.e2e")
 
@@ -231,14 +239,6 @@ def step_ms(one_step: Callable, device: torch.device) -> float:
     one_step()
     return (time.perf_counter() - begin_s) * 1e3
 
-
-def peak_mib(one_step: Callable, device: torch.device) -> float:
-    """One step's peak above what was allocated before it (the allocator's events on CPU)."""
-    if device.type == "cuda":
-        _, peak, before = cuda_peak(one_step)
-        return (peak - before) / 2**20
-    _, peak = cpu_peak(one_step)
-    return peak / 2**20
 
 
 def measure_interleaved(steps: int, prepared: list[tuple[Row, Callable]], device: torch.device) -> None:

@@ -45,7 +45,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import cpu_peak, cuda_peak, error_note, header, in_turns, release_memory, set_up, write_report
+from benchmarks._common import (
+    error_note,
+    header,
+    in_turns,
+    peak_mib,
+    release_memory,
+    set_up,
+    write_report,
+)
 
 log = logging.getLogger("benchmarks.zoo")
 
@@ -342,14 +350,6 @@ def timed(step: Callable, device: torch.device) -> Callable[[], float]:
 
     return call
 
-
-def peak_mib(step: Callable, device: torch.device) -> float:
-    """One step's peak above what was allocated before it (the profiler's allocator events on CPU)."""
-    if device.type == "cuda":
-        _, peak, before = cuda_peak(step)
-        return (peak - before) / 2**20
-    _, peak = cpu_peak(step)
-    return peak / 2**20
 
 
 def final_reports(reports: list) -> list:
