@@ -4,6 +4,7 @@ rule, side by side in one process.
     python benchmarks/memory_model.py --out $OUT/memory_model                         # GPU: the models below
     python benchmarks/memory_model.py --models gpt2,llama-1b --layers 2 --batch 8 --seq 1024
     PYTHONPATH=. python benchmarks/memory_model.py --tiny --device cpu                # CPU: saved bytes only
+    python benchmarks/memory_model.py --predict-only --device cpu --per-rule gpt2     # a laptop's GPU prediction
 
 For each model (a loss-only training step, ``model(ids, labels=ids).loss``, bf16 weights on CUDA; "demo" is the
 README demo's GPT at its defaults):
@@ -17,6 +18,11 @@ README demo's GPT at its defaults):
   together. Target: ±20 %. A second prediction simulates the whole step under each backend
   (``Explanation.peak_bytes``: Inductor-like buffers of the partitioned forward and backward, memopt's kernel
   buffers added) and subtracts.
+
+``--predict-only`` is the laptop's side: each step is captured and priced for a GPU (``assume_device="cuda"``,
+bf16 weights, the demo at its CUDA defaults) without running it, so real widths take seconds on a CPU; the
+measured columns stay empty, to be read beside a GPU run's. Only the step's first graph is seen (the models here
+compile into one).
 """
 
 from __future__ import annotations
@@ -131,12 +137,19 @@ def predicted_drop(explanation: fxpass.Explanation) -> int:
     return sum(p["saved_hint"] for p in priced) + max((p["transient_hint"] for p in priced), default=0)
 
 
-def demo(device: torch.device, tiny: bool):
-    """The README demo's model (``examples/train_gpt.py``) at its defaults for ``device``, and its step."""
+def predict(step, ids, options: dict) -> fxpass.Explanation:
+    """``fxpass.explain``'s figures for ``step`` on a GPU, without running it (``execute=False``)."""
+    torch._dynamo.reset()
+    return fxpass.explain(step, ids, options=options, assume_device="cuda", execute=False)
+
+
+def demo(device: torch.device, tiny: bool, defaults_for: torch.device | None = None):
+    """The README demo's model (``examples/train_gpt.py``) at its defaults for ``defaults_for`` (``device``'s
+    unless given), and its step."""
     from examples import train_gpt
 
     args = train_gpt.parse_args(["--device", device.type])
-    train_gpt.fill_device_defaults(args, device)
+    train_gpt.fill_device_defaults(args, defaults_for or device)
     vocab = 512 if tiny else args.vocab_size
     model = train_gpt.build_model(args, vocab, device).train()
     return model, vocab, args.batch_size, args.seq_len, lambda ids: model(ids, ids)[1]
@@ -148,7 +161,8 @@ def _loss_step(model):
 
 def run(name: str, args, device: torch.device) -> list[Row]:
     if name == "demo":
-        model, vocab, batch, seq, step = demo(device, args.tiny)
+        defaults_for = torch.device("cuda") if args.predict_only else None
+        model, vocab, batch, seq, step = demo(device, args.tiny, defaults_for)
     else:
         model = build(name, args.layers, args.tiny).to(device)
         vocab, batch, seq, step = model.config.vocab_size, args.batch, args.seq, _loss_step(model)
@@ -167,12 +181,18 @@ def run(name: str, args, device: torch.device) -> list[Row]:
         backend = fxpass.MemoptBackend(options=options)
         try:
             release_memory()
-            explanation = fxpass.explain(step, ids, options=options)
+            if args.predict_only:
+                explanation = predict(step, ids, options)
+            else:
+                explanation = fxpass.explain(step, ids, options=options)
             row.predicted_saved = explanation.saved_bytes()
             row.predicted_drop = predicted_drop(explanation)
             peaks = explanation.peak_bytes()
             row.simulated_drop = None if peaks is None else peaks["torch.compile"] - peaks["memopt"]
             row.simulated_peak = peaks
+            if args.predict_only:
+                rows.append(row)
+                continue
             measured = {}
             for variant, compiler in (("torch.compile", "inductor"), ("memopt", backend)):
                 model.zero_grad(set_to_none=True)
@@ -238,11 +258,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="weights (default: bf16 on CUDA)")
     parser.add_argument("--breakdown", action="store_true", help="CUDA: what is alive at each step's peak, to --out")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="price each step for a GPU without running it (the laptop's prediction)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     set_up(args.out, quiet_rules=True)
     device = torch.device(args.device)
-    args.precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    args.precision = args.precision or ("bf16" if device.type == "cuda" or args.predict_only else "fp32")
     rows = [row for name in args.models.split(",") for row in run(name, args, device)]
     text = table(rows)
     print(text)

@@ -102,7 +102,7 @@ class MemoptBackend:
         gm.meta[returned_logits.WRAPPED_KEY] = True  # this backend re-attaches returned logits (returned_logits.py)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
         if self.price_steps:
-            report.step = step_costs(fx.GraphModule(gm, copy_graph(original)), gm)
+            report.step = step_costs(fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device)
         if report.applied and self.config.precompile:  # opaque ops' kernels compile while Inductor compiles
             precompile.start(gm)
         superseded = False

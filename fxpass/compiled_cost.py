@@ -92,12 +92,16 @@ def extract(nodes: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> tuple[fx.Gr
     return module, inputs
 
 
-def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]) -> CompiledCost:
+def compiled_cost(
+    module: fx.GraphModule, example_inputs: Sequence[torch.Tensor], device: str | None = None
+) -> CompiledCost:
     """``module`` (returning a tuple) partitioned as torch.compile would, on inputs shaped like
     ``example_inputs`` (fake tensors with the graph's symbolic sizes, or real ones); its figures in the
-    symbols of ``example_inputs``."""
+    symbols of ``example_inputs``. ``device``: the device type whose Inductor runs it (default: the inputs'),
+    for what Inductor does on a GPU only (``_padded_gemms``)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.virtualized import V
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=False)
@@ -116,12 +120,15 @@ def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
         return gm
 
     outputs = len(module.graph.find_nodes(op="output")[0].args[0])
-    with torch._guards.tracing(None), mode:
+    gpu = (device or _device_type(example_inputs)) == "cuda"
+    # Inductor's joint-graph passes read the fake mode from its virtualized handler (the random-seed pass of a
+    # graph with dropout or ``torch.rand`` enters it).
+    with torch._guards.tracing(None), mode, V.set_fake_mode(mode):
         aot_module_simplified(
             module, fresh, fw_compiler=forward_only, partition_fn=partition, decompositions=select_decomp_table(),
         )
     if "backward" not in graphs:  # nothing needs a gradient: nothing is saved
-        peak = _peak(graphs["forward"], set(), outputs_from=0)
+        peak = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu)
         return CompiledCost(0, _to_graph(peak, back, target_env), 0)
     forward, backward = graphs["forward"], graphs["backward"]
     saved_nodes = _saved_nodes(forward, backward)
@@ -131,34 +138,39 @@ def compiled_cost(module: fx.GraphModule, example_inputs: Sequence[torch.Tensor]
     saved = _sum_storages([n for n in saved_nodes if _storage(n) not in inputs])
     described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)
     saved_inputs = frozenset(index_of[_storage(n)] for n in saved_nodes if _storage(n) in inputs)
-    forward_peak = _peak(forward, inputs, outputs_from=outputs)
+    forward_peak = _peak(forward, inputs, outputs_from=outputs, gpu=gpu)
     # In the backward the saved activations and incoming gradients are alive from its start and die at their last
     # use (Inductor reuses a donated saved buffer); the forward's inputs are not counted.
     of_inputs = {n.name for n in saved_nodes if _storage(n) in inputs}  # the inputs, or views of them, saved
     held = {_storage(n) for n in backward.graph.find_nodes(op="placeholder") if n.name in of_inputs}
-    backward_peak = _peak(backward, held, outputs_from=0, live_from_start=True)
+    backward_peak = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu)
     return CompiledCost(
         _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
         _to_graph(backward_peak, back, target_env), described, saved_inputs,
     )
 
 
-def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule) -> dict[str, Any]:
+def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None) -> dict[str, Any]:
     """A whole captured graph priced as torch.compile runs it, as Dynamo captured it and as memopt rewrote it:
     ``{"torch.compile": CompiledCost, "memopt": CompiledCost}``, or ``{"error": why}`` where the partitioner
     cannot take it. Placeholders are fed their example values. memopt's ops' own kernel buffers are not in
-    these figures (the records' ``against_compile`` has them per rewrite)."""
+    these figures (the records' ``against_compile`` has them per rewrite). ``device``: as for
+    ``compiled_cost``."""
     costs: dict[str, Any] = {}
     try:
         for name, gm in (("torch.compile", original), ("memopt", rewritten)):
             values = [_placeholder_value(n) for n in gm.graph.find_nodes(op="placeholder")]
-            costs[name] = compiled_cost(gm, values)
+            costs[name] = compiled_cost(gm, values, device)
     except Exception as error:  # a graph the partitioner cannot take; the compile itself goes on
         log.debug("memopt could not price a whole graph", exc_info=True)
         from fxpass.report import error_note
 
         return {"error": error_note(error)}
     return costs
+
+
+def _device_type(values: Sequence[Any]) -> str | None:
+    return next((v.device.type for v in values if isinstance(v, torch.Tensor)), None)
 
 
 def _placeholder_value(node: fx.Node) -> Any:
@@ -327,32 +339,54 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
     return {n for n in materialized if n.op == "call_function" and not _is_view(n)}
 
 
-def _peak(gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False) -> IntLike:
+def _peak(
+    gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False, gpu: bool = False
+) -> IntLike:
     """The most bytes alive at once in ``gm``'s buffers (``_buffers``), storages in ``held`` (its inputs) not
     counted. A fused kernel runs where its result is materialized and reads every buffer behind the fused nodes
     it consists of, so a buffer lives until the last such kernel; a fused kernel whose input buffer dies there
     and has its dtype and size writes in place, as Inductor's in-place buffer reuse does. Sizes are compared
-    on their hints; the figure at the highest point is returned as an expression."""
+    on their hints; the figure at the highest point is returned as an expression. On a GPU (``gpu``) a GEMM
+    Inductor pads reads padded copies of its operands instead (``_padded_gemms``)."""
     buffers = _buffers(gm, outputs_from)
+    padded = _padded_gemms(gm) if gpu else {}
     if live_from_start:
         buffers |= {n for n in gm.graph.find_nodes(op="placeholder") if _is_tensor(n)}
     nodes = list(gm.graph.nodes)
     reads: dict[fx.Node, set[fx.Node]] = {}  # the buffers a node's value is computed from, through fused nodes
     last_use: dict[fx.Node, int] = {}
+    position = {node: index for index, node in enumerate(nodes)}
+    # The copies of one tensor padded for several GEMMs come out of one fused kernel, run before the first of
+    # them (GPT-2's logit gradient, padded for its two GEMMs: three V-wide buffers at once on the H200).
+    first_pad: dict[fx.Node, int] = {}
+    for gemm, plan in padded.items():
+        for source, _ in plan.operands:
+            first_pad[source] = min(first_pad.get(source, position[gemm]), position[gemm])
+    born: dict[int, list[tuple[tuple[str, str], IntLike]]] = {}
     for index, node in enumerate(nodes):
         behind = set()
         for arg in node.all_input_nodes:
             behind |= {_root(arg)} if _root(arg) in buffers else reads.get(arg, set())
+        if node in padded:  # reads its operands' padded copies, made where the first of them is
+            for source, size in padded[node].operands:
+                behind.discard(source)
+                copy = ("padded copy", f"{source.name} for {node.name}")
+                born.setdefault(first_pad[source], []).append((copy, size))
+                last_use[copy] = index
         reads[node] = behind
         if node in buffers or node.op == "output":
             for buffer in behind:
                 last_use[buffer] = index
+    for source, index in first_pad.items():
+        last_use[source] = max(last_use.get(source, index), index)
     kept = {_root(n) for n in gm.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)}
-    live: dict[fx.Node, IntLike] = {}
+    live: dict[Any, IntLike] = {}
     best: IntLike = 0
     for index, node in enumerate(nodes):
+        for copy, size in born.get(index, ()):
+            live[copy] = size
         if node in buffers and _storage(node) not in held:
-            size = _storage_bytes(node)
+            size = padded[node].output if node in padded else _storage_bytes(node)
             donor = None if _is_extern(node) else next(
                 (b for b in reads[node] if b in live and last_use.get(b) == index and b not in kept
                  and b.meta["val"].dtype == node.meta["val"].dtype and shapes.expr(live[b]) == shapes.expr(size)),
@@ -365,6 +399,75 @@ def _peak(gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: boo
         for dead in [b for b in live if last_use.get(b, index) <= index and b not in kept]:
             del live[dead]
     return best
+
+
+# Inductor's shape padding (torch/_inductor/fx_passes/pad_mm.py), on a GPU: a GEMM whose static M, K or N is not a
+# multiple of 8 elements (16-bit) or 4 (fp32) may run on copies of its operands padded to one, its output padded
+# and sliced. Inductor pads where the GEMM is compute-bound (arithmetic intensity MNK / (MK + NK + MN) above half
+# the GPU's FLOP-to-byte ratio) and a benchmark on the GPU finds the padded GEMM faster; from a laptop the
+# benchmark cannot run, so every compute-bound one is assumed padded (it padded GPT-2's head, V = 50257, on the
+# H200: benchmarks/results/memory-model-peak-gpt2-cce-torch-compile-h200-2026-12-05.md). The balance is
+# Hopper's (H100: 989 dense bf16 TFLOP/s over 3.35 TB/s, halved as Inductor does; fp32 67 TFLOP/s).
+_ALIGNMENT = {torch.float16: 8, torch.bfloat16: 8, torch.float32: 4}
+_MACHINE_BALANCE = {torch.float16: 148.0, torch.bfloat16: 148.0, torch.float32: 10.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padding:
+    """A GEMM Inductor pads: the buffers whose padded copies it reads (and the copies' bytes), its output's bytes."""
+
+    operands: tuple[tuple[fx.Node, IntLike], ...]
+    output: IntLike
+
+
+def _padded_gemms(gm: fx.GraphModule) -> dict[fx.Node, _Padding]:
+    padded = {}
+    for node in gm.graph.nodes:
+        plan = _padding(node)
+        if plan is not None:
+            padded[node] = plan
+    return padded
+
+
+def _padding(node: fx.Node) -> _Padding | None:
+    """How Inductor pads ``node`` on a GPU, if it is an ``mm``, ``addmm`` or ``bmm`` it pads (comment above)."""
+    packet = _packet(node)
+    if packet not in ("mm", "addmm", "bmm") or node.op != "call_function":
+        return None
+    mat1, mat2 = node.args[1:3] if packet == "addmm" else node.args[:2]
+    if not (isinstance(mat1, fx.Node) and isinstance(mat2, fx.Node) and _is_tensor(mat1) and _is_tensor(mat2)):
+        return None
+    a, b = mat1.meta["val"], mat2.meta["val"]
+    align = _ALIGNMENT.get(a.dtype)
+    if align is None or b.dtype != a.dtype:
+        return None
+    batch = [a.shape[0]] if packet == "bmm" else []
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    extra = {name: _pad_length(size, align) for name, size in (("m", m), ("k", k), ("n", n))}
+    if not any(extra.values()):
+        return None
+    hm, hk, hn = (shapes.hint(size) for size in (m, k, n))
+    if hm * hk * hn <= _MACHINE_BALANCE[a.dtype] * (hm * hk + hk * hn + hm * hn):
+        return None  # memory-bound: Inductor does not pad it
+    itemsize = a.dtype.itemsize
+    whole = 1
+    for size in batch:
+        whole = whole * size
+    operands = []
+    if extra["m"] or extra["k"]:
+        operands.append((_root(mat1), whole * (m + extra["m"]) * (k + extra["k"]) * itemsize))
+    if extra["k"] or extra["n"]:
+        operands.append((_root(mat2), whole * (k + extra["k"]) * (n + extra["n"]) * itemsize))
+    output = whole * (m + extra["m"]) * (n + extra["n"]) * node.meta["val"].dtype.itemsize
+    return _Padding(tuple(operands), output)
+
+
+def _pad_length(size: IntLike, align: int) -> int:
+    """Elements Inductor adds to a dimension: none to a symbolic one or one of size 1, as pad_mm does."""
+    constant = shapes.constant(size)
+    if constant is None or constant == 1 or constant % align == 0:
+        return 0
+    return align - constant % align
 
 
 def _root(node: fx.Node) -> fx.Node:

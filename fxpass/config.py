@@ -89,8 +89,8 @@ class Config:
             the inserted ones as torch.compile runs them (AOTAutograd's partitioner and Inductor's joint-graph
             passes, on fake tensors: ``fxpass/pricing.py``); "eager" prices the graph as written, as eager
             PyTorch keeps it, which overstates the saving (CCE at Llama-3's head: 8.3 GiB against the 1.0 GiB
-            torch.compile's peak drops by) but costs no tracing at compile time. WTA-CRS and checkpointed
-            regions are priced as written either way.
+            torch.compile's peak drops by) but costs no tracing at compile time. Checkpointed regions are
+            priced as written either way.
         precompile: compile the Triton kernels that memopt's opaque ops launch at run time (the CCE backward,
             the row-wise CCE, WTA-CRS's draw and store) in a background thread while Inductor compiles the graph,
             instead of at their first launch inside the first step (``lowerings/precompile.py``). CUDA only;

@@ -73,6 +73,7 @@ def explain(
     fullgraph: bool = False,
     assume_device: str | None = None,
     price_steps: bool = True,
+    execute: bool = True,
     **kwargs: Any,
 ) -> Explanation:
     """Run ``fn(*args, **kwargs)`` once under memopt's rewrites and return what was decided.
@@ -82,12 +83,38 @@ def explain(
     implementations would, whatever device the tensors are on. ``price_steps`` prices each whole graph as
     torch.compile runs it, before and after the rewrites: the step's saved-for-backward bytes under
     torch.compile and under memopt, known before anything runs on a GPU (``Explanation.saved_bytes``).
+    ``execute=False`` captures, rewrites and prices the first graph and stops there, running nothing: a step at
+    a GPU's sizes is explained on a laptop in seconds (its CPU would take minutes to run it). A step that
+    compiles into one graph (an HF model's loss step) is seen whole; after a graph break the rest is not seen,
+    and ``result`` is None.
     """
     graphs: list[GraphReport] = []
     options = {**(options or {}), "inner_compiler": "eager"}
     if assume_device is not None:
         options["assume_device"] = assume_device
     backend = MemoptBackend(options=options, sink=graphs.append, keep_code=True, price_steps=price_steps)
-    compiled = torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
-    result = compiled(*args, **kwargs)
+    compiled = torch.compile(fn, backend=backend if execute else _stopping(backend), dynamic=dynamic,
+                             fullgraph=fullgraph)
+    try:
+        result = compiled(*args, **kwargs)
+    except _Stopped:
+        result = None
     return Explanation(graphs, result)
+
+
+class _Stopped(Exception):
+    """Raised by a graph compiled with ``execute=False`` in place of running it."""
+
+
+def _stopping(backend: MemoptBackend) -> Callable:
+    """``backend``, whose compiled graphs stop the call instead of running."""
+
+    def compile_without_running(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        backend(gm, example_inputs)
+
+        def stop(*args: Any) -> Any:
+            raise _Stopped
+
+        return stop
+
+    return compile_without_running

@@ -274,6 +274,18 @@ def position_in(graph: fx.Graph) -> Callable[[fx.Node], int]:
     return order.__getitem__
 
 
+# Meta key of a node a rewrite replaced (and erased): the node that now computes its value. Candidates are
+# matched before any is applied, so one may name a node an earlier rewrite replaced (LoRA's B reads A's output).
+REPLACED_BY = "memopt_replaced_by"
+
+
+def current(node: fx.Node) -> fx.Node:
+    """What ``node`` is now: itself, or what the rewrites applied since it was matched replaced it with."""
+    while REPLACED_BY in node.meta:
+        node = node.meta[REPLACED_BY]
+    return node
+
+
 def erase_unused(nodes: Iterable[fx.Node]) -> None:
     """Erase those of ``nodes`` left without users (users are erased before the nodes they read).
 

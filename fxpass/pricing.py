@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch import fx
 from fxpass import shapes
 from fxpass.compiled_cost import CompiledCost, compiled_cost, extract, graph_env
 from fxpass.config import Config
-from fxpass.graph import example_value
+from fxpass.graph import current, example_value
 from fxpass.report import INTERNAL
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,13 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def price(rule, candidate, config: Config, internal: IntLike = 0) -> Priced:
+def price(
+    rule, candidate, config: Config, internal: IntLike = 0, context: Sequence[fx.Node] = ()
+) -> Priced:
     """Try ``rule``'s rewrite of ``candidate`` on a copy of its graph and price both sides (module docstring).
     ``internal``: bytes the inserted ops allocate inside their kernels in the backward (their memory model's
-    transient terms)."""
+    transient terms). ``context``: nodes the rewrite leaves in place but whose fate decides what it frees (the
+    producers of a tensor torch.compile may save or recompute), priced on both sides."""
     from fxpass.rewrite import copy_graph
 
     graph = candidate.anchor.graph
@@ -90,10 +93,13 @@ def price(rule, candidate, config: Config, internal: IntLike = 0) -> Priced:
     trial = fx.GraphModule(owner, trial_graph)
     kept = set(copies.values())
     rule.apply(trial, _remap(candidate, copies), config)
-    replaced = [old for old, new in copies.items() if new._erased and old.op.startswith("call_")]
-    added = [n for n in trial.graph.nodes if n not in kept and n.op != "output"]
-    before = _cost(replaced)
-    after = _cost(added)
+    around = set(context)
+    before_nodes = [old for old, new in copies.items() if old.op.startswith("call_") and (new._erased or old in around)]
+    around_copies = {copies[n] for n in around if not copies[n]._erased}
+    # (an inserted ``get_attr``, such as WTA-CRS's gradient-norm estimate, is read as an input of the piece)
+    after_nodes = [n for n in trial.graph.nodes if (n not in kept or n in around_copies) and n.op.startswith("call_")]
+    before = _cost(before_nodes, config.assume_device)
+    after = _cost(after_nodes, config.assume_device)
     after = dataclasses.replace(after, backward_peak=after.backward_peak + internal)
     return Priced(before.saved - after.saved, before.peak - after.peak, before, after, internal)
 
@@ -107,18 +113,19 @@ def internal_bytes(terms: Mapping[str, IntLike]) -> IntLike:
     return total
 
 
-def _cost(nodes: list[fx.Node]) -> CompiledCost:
-    """The compiled cost of ``nodes`` (one graph's, in its order), returning those read by other nodes."""
+def _cost(nodes: list[fx.Node], device: str | None = None) -> CompiledCost:
+    """The compiled cost of ``nodes`` (one graph's, in its order), returning those read by other nodes;
+    ``device``: the device assumed to run it (``compiled_cost``), if not the graph's own."""
     if not nodes:
         return CompiledCost(0, 0, 0)
     inside = set(nodes)
     outputs = [n for n in nodes if any(user not in inside for user in n.users)]
     piece, inputs = extract(nodes, outputs)
     values = [example_value(n) for n in inputs]
-    key = (piece.code, tuple(_signature(v) for v in values))
+    key = (piece.code, tuple(_signature(v) for v in values), device)
     cache = _CACHE.setdefault(graph_env(values) or _NO_SHAPE_ENV, {})
     if key not in cache:
-        cache[key] = compiled_cost(piece, values)
+        cache[key] = compiled_cost(piece, values, device)
     return cache[key]
 
 
@@ -133,7 +140,7 @@ def _signature(value: Any) -> Any:
 def _remap(value: Any, copies: dict[fx.Node, fx.Node]) -> Any:
     """``value`` (a candidate: dataclasses, tuples, lists, dicts of nodes) with every node replaced by its copy."""
     if isinstance(value, fx.Node):
-        return copies.get(value, value)
+        return copies.get(current(value), value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {f.name: _remap(getattr(value, f.name), copies) for f in dataclasses.fields(value) if f.init}
         return dataclasses.replace(value, **changes)

@@ -71,7 +71,7 @@ def _run_rule(
                 decision = _against_compile(rule, candidate, decision, config)
             else:
                 decision = checkpoint.decide_in_region(rule.name, decision, region)
-            records.append(_record(rule.name, candidate, decision, config, region))
+            records.append(_record(rule.name, candidate, decision, config, region, rule.priced_on))
             if decision.apply:
                 rule.apply(gm, candidate, decision.config or config)
         gm.graph.lint()
@@ -95,11 +95,9 @@ def undone(record: RewriteRecord, reason: str) -> RewriteRecord:
     return dataclasses.replace(record, applied=False, reason=reason)
 
 
-# Rules whose pieces are priced against torch.compile. WTA-CRS is not: what it frees is its input activation,
-# and whether torch.compile keeps that input depends on the nodes that produce it (a GELU's input is saved and
-# its output recomputed), which a piece of the graph cannot show; the whole step's figures are
-# ``fxpass.explain``'s.
-PRICED_RULES = ("cce", "attention")
+# Rules whose pieces are priced against torch.compile (all of them: WTA-CRS with the producers of its input as
+# context, since whether torch.compile keeps that input or recomputes it from theirs decides what sampling frees).
+PRICED_RULES = ("cce", "attention", "wta_crs")
 
 
 def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) -> Decision:
@@ -114,7 +112,9 @@ def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) 
     def priced_under(trial: Config) -> tuple[Decision, pricing.Priced]:
         if trial not in trials:
             taken = decision if trial == config else rule.decide(candidate, trial)
-            trials[trial] = taken, pricing.price(rule, candidate, trial, pricing.internal_bytes(taken.memory.after))
+            internal = pricing.internal_bytes(taken.memory.after)
+            context = rule.context(candidate) if rule.context is not None else ()
+            trials[trial] = taken, pricing.price(rule, candidate, trial, internal, context)
         return trials[trial]
 
     try:
@@ -127,11 +127,12 @@ def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) 
         return dataclasses.replace(decision, reason=f"{decision.reason}; {note}")
     if choice is not None:
         taken = dataclasses.replace(taken, config=chosen, params={**taken.params, "variant_reason": why})
-    return decide_against_compile(taken, priced, config)
+    return decide_against_compile(taken, priced, config, rule.priced_on)
 
 
 def _record(
-    rule: str, candidate, decision: Decision, config: Config, region: checkpoint.Region | None = None
+    rule: str, candidate, decision: Decision, config: Config, region: checkpoint.Region | None = None,
+    figure: str = "peak",
 ) -> RewriteRecord:
     memory, verdict = decision.memory, decision.verdict
     params = {**candidate.params(), **decision.params}
@@ -141,7 +142,7 @@ def _record(
         params["assume_device"] = config.assume_device
     priced = decision.priced
     if priced is not None:
-        saved_bytes = shapes.render(priced.peak)
+        saved_bytes = shapes.render(getattr(priced, figure))
     else:
         saved_bytes = shapes.render(memory.saved) if memory is not None else None
     return RewriteRecord(

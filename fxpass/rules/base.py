@@ -9,7 +9,7 @@ config, for parameters such as a budget).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch.fx as fx
@@ -60,6 +60,12 @@ class Rule:
     decide: Callable[[Any, Config], Decision]
     apply: Callable[[fx.GraphModule, Any, Config], None]
     choose: Chooser | None = None
+    # Nodes left in place whose fate under torch.compile decides what the rewrite frees (``fxpass.pricing``).
+    context: Callable[[Any], Sequence[fx.Node]] | None = None
+    # Which figure of ``fxpass.pricing.Priced`` the decision weighs: "peak" for a piece that runs at the step's
+    # peak (a language model's head, attention at the start of the backward), "saved" for one whose benefit is
+    # the activation it stops holding across the step (its own transient buffers live in its layer only).
+    priced_on: str = "peak"
 
 
 def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision:
@@ -68,14 +74,20 @@ def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision
     return Decision(verdict.pays or config.force, _reason(verdict, config, what, ""), memory, verdict, what=what)
 
 
-def decide_against_compile(decision: Decision, priced, config: Config) -> Decision:
+def decide_against_compile(decision: Decision, priced, config: Config, figure: str = "peak") -> Decision:
     """``decision`` taken again on what the rewrite frees against torch.compile (``priced``: the drop of the
-    piece's peak, saved and transient parts named), the graph-as-written model kept for the record."""
-    verdict = clears(priced.peak, config.min_saved_bytes)
-    split = (
-        f" ({format_bytes(shapes.hint(priced.saved))} saved for the backward, "
-        f"{format_bytes(shapes.hint(priced.transient))} transient)"
-    )
+    piece's peak, saved and transient parts named; ``figure``, which of them is weighed), the graph-as-written
+    model kept for the record."""
+    verdict = clears(getattr(priced, figure), config.min_saved_bytes)
+    if figure == "saved":  # the piece's own peak, in its layer, is said beside it
+        change = shapes.hint(priced.peak)
+        moves = f"drops by {format_bytes(change)}" if change >= 0 else f"rises by {format_bytes(-change)}"
+        split = f" (saved for the backward; the piece's own peak {moves})"
+    else:
+        split = (
+            f" ({format_bytes(shapes.hint(priced.saved))} saved for the backward, "
+            f"{format_bytes(shapes.hint(priced.transient))} transient)"
+        )
     reason = _reason(verdict, config, decision.what, " against torch.compile" + split)
     return dataclasses.replace(decision, apply=verdict.pays or config.force, reason=reason, verdict=verdict,
                                priced=priced)

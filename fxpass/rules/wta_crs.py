@@ -29,9 +29,11 @@ from fxpass.graph import (
     LOG_SOFTMAX_TARGETS,
     MATMUL_TARGETS,
     NLL_LOSS_TARGETS,
+    REPLACED_BY,
     GraphFacts,
     bind_args,
     cast_to,
+    current,
     erase_unused,
     fake_mode_of,
     insert_node,
@@ -163,8 +165,8 @@ def _feeds_a_loss(node: fx.Node) -> bool:
     """The language-model head: its output reaches a cross-entropy through views and casts."""
     pending, seen = [node], set()
     while pending:
-        current = pending.pop()
-        for user in current.users:
+        here = pending.pop()
+        for user in here.users:
             if is_call(user, *CROSS_ENTROPY_TARGETS, *NLL_LOSS_TARGETS, *LOG_SOFTMAX_TARGETS) or is_method(
                 user, "log_softmax"
             ):
@@ -214,7 +216,10 @@ def decide(candidate: WtaMatch, config: Config) -> Decision:
     if config.wta_crs_budget is None:
         memory = memory_model(candidate, DEFAULT_BUDGET)
         verdict = shapes.clears(memory.saved, config.min_saved_bytes)
-        reason = f"{HOW_TO_ENABLE} (saved bytes: what budget {DEFAULT_BUDGET} would free)"
+        reason = (
+            f"{HOW_TO_ENABLE} (saved bytes: what budget {DEFAULT_BUDGET} would free as the graph is written; "
+            "enabled, each group is priced against torch.compile)"
+        )
         return Decision(False, reason, memory, verdict)
     x = tensor_value(candidate.input)
     rows = shapes.numel(x) // x.shape[-1]
@@ -244,6 +249,47 @@ def memory_model(candidate: WtaMatch, budget: float) -> shapes.MemoryModel:
     )
 
 
+# --- price ----------------------------------------------------------------------------------------------
+
+# How far back the producers of a group's input are priced with it: enough for an activation function, a norm,
+# a dropout and a residual add (GELU's tanh form is 8 nodes), not the whole residual stream.
+_CONTEXT_NODES = 24
+# Ops Inductor runs as kernels of their own, whose results are buffers it keeps or frees as they are: the walk
+# back stops there (what such an op's backward keeps is its own business, the same on both sides).
+_KERNEL_TARGETS = (*LINEAR_TARGETS, *MATMUL_TARGETS, *ADDMM_TARGETS, torch.bmm, torch.baddbmm, torch.conv1d,
+                   torch.conv2d, torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.embedding)
+
+
+def context(candidate: WtaMatch) -> list[fx.Node]:
+    """The nodes that compute the group's input (an activation function, a norm, a dropout, the views between)
+    back to the kernels whose results they read, those kernels included; priced with the group
+    (``fxpass.pricing``).
+
+    Whether sampling frees anything depends on them: torch.compile's partitioner keeps the input only where it
+    does not recompute it from what it saves anyway, and a kernel's result it keeps is freed only where the
+    kernel's own backward does not need it. ReLU keeps its output; a linear's output feeding another linear is
+    kept for that linear alone, so sampling frees it; GPT-2's tanh GELU keeps its output beside its input."""
+    found: set[fx.Node] = set()
+    pending = [current(candidate.input)]
+    while pending and len(found) < _CONTEXT_NODES:
+        node = pending.pop()
+        if node in found or node.op not in ("call_function", "call_method"):
+            continue
+        found.add(node)
+        if _recomputable(node):
+            pending.extend(node.all_input_nodes)
+    return [node for node in current(candidate.input).graph.nodes if node in found]
+
+
+def _recomputable(node: fx.Node) -> bool:
+    """Computed by Inductor-generated code (so the partitioner may recompute it, and the walk goes on to its
+    inputs), not a kernel of its own: a GEMM, attention, an embedding or a custom op."""
+    if is_call(node, *_KERNEL_TARGETS) or is_method(node, "matmul", "mm", "bmm"):
+        return False
+    target = node.target
+    return not (isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims"))
+
+
 # --- apply ------------------------------------------------------------------------------------------------
 
 
@@ -252,7 +298,7 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
 
     graph = gm.graph
     candidate = dataclasses.replace(
-        candidate, input=_current(candidate.input), period_source=_current(candidate.period_source)
+        candidate, input=current(candidate.input), period_source=current(candidate.period_source)
     )
     first = min(candidate.nodes, key=position_in(graph))
     fake_mode = fake_mode_of([candidate.input, first])
@@ -290,11 +336,10 @@ def apply(gm: fx.GraphModule, candidate: WtaMatch, config: Config) -> None:
         outputs = [add("call_function", operator.getitem, fused, i) for i in range(len(candidate.members))]
     for member, output in zip(candidate.members, outputs, strict=True):
         member.node.replace_all_uses_with(output)
-        member.node.meta[_REPLACED_BY] = output
+        member.node.meta[REPLACED_BY] = output
     erase_unused(candidate.nodes)
 
 
-_REPLACED_BY = "memopt_wta_replaced_by"
 # Meta key of the graph's one ``torch.rand`` that every traced group's uniforms are sliced from: its length so far.
 _UNIFORMS = "memopt_wta_uniforms"
 # Slices start at multiples of 4 floats: Triton specializes a pointer argument on 16-byte alignment, so slices at
@@ -329,14 +374,6 @@ def _shared_uniforms(gm: fx.GraphModule, add, tokens: fx.Node, budget: float, fa
     return add("call_method", "narrow", source, 0, offset, k)
 
 
-def _current(node: fx.Node) -> fx.Node:
-    """What ``node`` is now: a group applied earlier in this pass may have replaced it (LoRA's B reads A's
-    output, and both are groups matched before either was applied)."""
-    while _REPLACED_BY in node.meta:
-        node = node.meta[_REPLACED_BY]
-    return node
-
-
 def _estimate_node(gm: fx.GraphModule, candidate: WtaMatch, fake_mode, first: fx.Node) -> fx.Node:
     """The group's gradient-norm estimate as a buffer of the graph module, so that AOTAutograd lifts it as an
     input (the backward updates it in place) and CUDA graphs read it at a fixed address. Created now, outside
@@ -367,4 +404,4 @@ def _period_arg(add, candidate: WtaMatch):
     return constant if constant is not None else add("call_method", "size", candidate.period_source, -2)
 
 
-RULE = Rule(name=NAME, match=match, decide=decide, apply=apply)
+RULE = Rule(name=NAME, match=match, decide=decide, apply=apply, context=context, priced_on="saved")

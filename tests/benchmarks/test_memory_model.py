@@ -34,3 +34,26 @@ def test_tiny_llama_predicted_against_measured(tmp_path):
     saved = json.loads((tmp_path / "memory_model.json").read_text())
     assert [entry["rules"] for entry in saved] == ["all", "attention"]
     assert (tmp_path / "memory_model.md").read_text().count("| llama-1b |") == 2
+
+
+def test_predict_only_prices_the_gpu_step_without_running_it(tmp_path):
+    """``--predict-only``: the step is captured and priced for a GPU but never runs (no saved bytes measured),
+    and the prediction equals ``fxpass.explain``'s for the same step with ``assume_device="cuda"``."""
+    import torch
+
+    import fxpass
+
+    with loggers_restored("", "fxpass"):
+        rows = memory_model.main(["--tiny", "--device", "cpu", "--models", "gpt2", "--per-rule", "",
+                                  "--batch", "4", "--seq", "128", "--predict-only", "--out", str(tmp_path)])
+    (row,) = rows
+    assert row.error is None and row.measured_saved is None and row.measured_drop is None
+    assert row.predicted_saved["memopt"] < row.predicted_saved["torch.compile"]
+    torch.manual_seed(0)
+    model = memory_model.build("gpt2", 2, tiny=True).to(torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (4, 128))
+    step = memory_model._loss_step(model)
+    predicted = memory_model.predict(step, ids, {})
+    explained = fxpass.explain(step, ids, assume_device="cuda")
+    assert predicted.saved_bytes() == explained.saved_bytes()
+    assert predicted.peak_bytes() == explained.peak_bytes()

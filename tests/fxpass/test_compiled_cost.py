@@ -106,3 +106,28 @@ def test_extract_copies_nodes_and_makes_outside_reads_inputs():
     assert [n.op for n in piece.graph.nodes] == ["placeholder", "call_function", "output"]
     with pytest.raises(ValueError, match="graph order"):
         compiled_cost.extract([nodes[2], nodes[1]], [nodes[2]])
+
+
+def _head_cost(vocab: int, dim: int, device: str | None) -> compiled_cost.CompiledCost:
+    hidden = torch.randn(1024, dim, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(vocab, dim, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (1024,))
+    gm = fx.symbolic_trace(lambda h, w, t: (F.cross_entropy(F.linear(h, w), t),))
+    return compiled_cost.compiled_cost(gm, [hidden, weight, targets], device)
+
+
+def test_gpu_pads_a_compute_bound_gemm_off_a_multiple_of_8():
+    """On a GPU Inductor pads a vocabulary of 4001 to 4008 for the classifier's GEMM: the forward holds the
+    classifier's padded copy and the padded logits (1024 × 4008 bf16 each); the backward pads the logit
+    gradient for its two GEMMs. A CPU compile pads nothing, nor does a GPU at a vocabulary of 4000."""
+    cpu, gpu = _head_cost(4001, 1024, None), _head_cost(4001, 1024, "cuda")
+    assert shapes.hint(gpu.forward_peak) == 2 * 1024 * 4008 * 2
+    assert shapes.hint(cpu.forward_peak) == shapes.hint(cpu.saved)  # the logits, kept
+    assert shapes.hint(gpu.backward_peak) > shapes.hint(cpu.backward_peak) + 1024 * 4008 * 2
+    assert gpu.saved == cpu.saved
+    assert _head_cost(4000, 1024, "cuda").hints() == _head_cost(4000, 1024, None).hints()
+
+
+def test_gpu_leaves_a_memory_bound_gemm_unpadded():
+    """At a width of 64 the classifier's GEMMs are memory-bound: Inductor does not pad them."""
+    assert _head_cost(4001, 64, "cuda").hints() == _head_cost(4001, 64, None).hints()

@@ -264,3 +264,27 @@ def test_a_few_thousand_tokens_are_rewritten_on_both_devices_without_force(name)
         ]
         cce = ex.records[0]
         assert cce.saved_bytes_hint > 2 * 1024 * 8192 * 4 * 0.7  # most of the fp32 log-probabilities and logits
+
+
+def test_explain_without_executing_decides_and_prices_as_a_run_does():
+    """``execute=False``: the graph is captured, rewritten and priced, and nothing runs (no result, and the
+    in-place count the graph would make is not made); the records and the step's figures are those of a run."""
+    torch.manual_seed(0)
+    calls = torch.zeros(())
+    weight = torch.randn(3000, 64, requires_grad=True)
+    hidden = torch.randn(256, 64, requires_grad=True)
+    targets = torch.randint(0, 3000, (256,))
+
+    def head(hidden, targets):
+        calls.add_(1)
+        return F.cross_entropy(F.linear(hidden, weight), targets)
+
+    ran = fxpass.explain(head, hidden, targets, options={"min_saved_bytes": 0})
+    torch._dynamo.reset()
+    captured = fxpass.explain(head, hidden, targets, options={"min_saved_bytes": 0}, execute=False)
+    assert ran.result is not None and captured.result is None and calls.item() == 1
+    assert [(r.rule, r.applied, r.saved_bytes_hint) for r in captured.records] == [
+        (r.rule, r.applied, r.saved_bytes_hint) for r in ran.records
+    ]
+    assert captured.records[0].applied
+    assert captured.saved_bytes() == ran.saved_bytes() and captured.peak_bytes() == ran.peak_bytes()

@@ -54,10 +54,10 @@ class TestRewrite(TestCase):
         block, x = _block_inputs()
         ex = rewritten(lambda x: block(x).sum(), x, **ON)
         self.assertExpectedInline(record_lines(ex), """\
-wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape
-wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape
-wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape
-wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> for every shape""")
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> against torch.compile (saved for the backward; the piece's own peak rises by <bytes>) for every shape
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> against torch.compile (saved for the backward; the piece's own peak drops by <bytes>) for every shape
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> against torch.compile (saved for the backward; the piece's own peak rises by <bytes>) for every shape
+wta_crs applied=True proof=static: weight gradients from a sample; forced (force=True) although the saving is <bytes> against torch.compile (saved for the backward; the piece's own peak drops by <bytes>) for every shape""")
         self.assertExpectedInline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_block_modules_ln1_parameters_weight_: "f32[16]cpu", L_block_modules_ln1_parameters_bias_: "f32[16]cpu", L_x_: "f32[2, 12, 16]cpu", L_block_modules_q_parameters_weight_: "f32[16, 16]cpu", L_block_modules_q_parameters_bias_: "f32[16]cpu", L_block_modules_k_parameters_weight_: "f32[16, 16]cpu", L_block_modules_k_parameters_bias_: "f32[16]cpu", L_block_modules_v_parameters_weight_: "f32[16, 16]cpu", L_block_modules_v_parameters_bias_: "f32[16]cpu", L_block_modules_o_parameters_weight_: "f32[16, 16]cpu", L_block_modules_o_parameters_bias_: "f32[16]cpu", L_block_modules_ln2_parameters_weight_: "f32[16]cpu", L_block_modules_ln2_parameters_bias_: "f32[16]cpu", L_block_modules_fc_parameters_weight_: "f32[64, 16]cpu", L_block_modules_fc_parameters_bias_: "f32[64]cpu", L_block_modules_proj_parameters_weight_: "f32[16, 64]cpu", L_block_modules_proj_parameters_bias_: "f32[16]cpu"):
