@@ -5,8 +5,9 @@ training graph (the output needs a gradient), over at least ``wta_crs_min_tokens
 language-model head (the CCE rule's territory). Linears reading the same input (Q/K/V, gate/up) form one
 group and share one sample, stored once. The rewrite frees memory only if nothing else keeps the input alive
 (``fxpass.liveness``): a LayerNorm or a second matmul reading it, an activation that saves its output, a graph
-input or output; then it declines and says which op holds it. It is opt-in (``wta_crs_budget``), since
-it replaces exact weight gradients by unbiased estimates (Liu et al., NeurIPS 2023).
+input or output; then it declines and says which op holds it. What it frees is then priced against
+torch.compile, which may recompute the input rather than keep it (``context``). It is opt-in
+(``wta_crs_budget``), since it replaces exact weight gradients by unbiased estimates (Liu et al., NeurIPS 2023).
 """
 
 from __future__ import annotations
