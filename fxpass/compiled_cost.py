@@ -55,6 +55,12 @@ class CompiledCost:
     backward_peak: IntLike
     saved_tensors: tuple[str, ...] = ()  # "name: shape dtype", for the debug report
     saved_inputs: frozenset[int] = frozenset()  # which of the piece's inputs the forward saves (views included)
+    forward_holders: tuple[Holding, ...] = ()  # what is alive at each peak, by kind (hints), largest first
+    backward_holders: tuple[Holding, ...] = ()
+    # the forward's results to its caller that are neither saved nor inputs (a model's returned logits): a whole
+    # step's caller holds them through the backward (``GraphReport.peaks``), a piece's consumer may not
+    returned: IntLike = 0
+    returned_largest: str = ""
 
     @property
     def peak(self) -> IntLike:
@@ -63,6 +69,27 @@ class CompiledCost:
 
     def hints(self) -> dict[str, int]:
         return {name: shapes.hint(getattr(self, name)) for name in ("saved", "forward_peak", "backward_peak")}
+
+    def at_peak(self) -> tuple[str, tuple[Holding, ...]]:
+        """Where the piece peaks ("forward" or "backward") and what holds the memory there."""
+        hints = self.hints()
+        if hints["forward_peak"] >= hints["backward_peak"]:
+            return "forward", self.forward_holders
+        return "backward", self.backward_holders
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """One kind of buffer alive at a simulated peak: its bytes (hint) and its largest tensor. Names the thing
+    that sets a step's peak, so that a user (or ``benchmarks/zoo.py``) learns what no rewrite reaches."""
+
+    kind: str  # "saved for the backward", "gradients", "incoming gradients", "outputs", "temporaries", ...
+    bytes: int
+    largest: str
+
+    def __str__(self) -> str:
+        largest = f" (largest {self.largest})" if self.largest else ""
+        return f"{shapes.format_bytes(self.bytes)} {self.kind}{largest}"
 
 
 def extract(nodes: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -128,25 +155,31 @@ def compiled_cost(
             module, fresh, fw_compiler=forward_only, partition_fn=partition, decompositions=select_decomp_table(),
         )
     if "backward" not in graphs:  # nothing needs a gradient: nothing is saved
-        peak = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu)
-        return CompiledCost(0, _to_graph(peak, back, target_env), 0)
+        peak, holders = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu)
+        return CompiledCost(0, _to_graph(peak, back, target_env), 0, forward_holders=holders)
     forward, backward = graphs["forward"], graphs["backward"]
     saved_nodes = _saved_nodes(forward, backward)
     primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]  # None for a SymInt input
     index_of = {storage: index for index, storage in enumerate(primals) if storage is not None}
     inputs = set(index_of)
     saved = _sum_storages([n for n in saved_nodes if _storage(n) not in inputs])
+    taken = inputs | {_storage(n) for n in saved_nodes}
+    results = [n for n in forward.graph.find_nodes(op="output")[0].args[0][:outputs]
+               if isinstance(n, fx.Node) and _is_tensor(n) and _storage(n) not in taken]
+    returned = _sum_storages(results)
+    returned_largest = _describe(max(results, key=lambda n: shapes.hint(_storage_bytes(n)))) if results else ""
     described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)
     saved_inputs = frozenset(index_of[_storage(n)] for n in saved_nodes if _storage(n) in inputs)
-    forward_peak = _peak(forward, inputs, outputs_from=outputs, gpu=gpu)
+    forward_peak, forward_holders = _peak(forward, inputs, outputs_from=outputs, gpu=gpu)
     # In the backward the saved activations and incoming gradients are alive from its start and die at their last
     # use (Inductor reuses a donated saved buffer); the forward's inputs are not counted.
     of_inputs = {n.name for n in saved_nodes if _storage(n) in inputs}  # the inputs, or views of them, saved
     held = {_storage(n) for n in backward.graph.find_nodes(op="placeholder") if n.name in of_inputs}
-    backward_peak = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu)
+    backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu)
     return CompiledCost(
         _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
-        _to_graph(backward_peak, back, target_env), described, saved_inputs,
+        _to_graph(backward_peak, back, target_env), described, saved_inputs, forward_holders, backward_holders,
+        _to_graph(returned, back, target_env), returned_largest,
     )
 
 
@@ -341,13 +374,14 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
 
 def _peak(
     gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False, gpu: bool = False
-) -> IntLike:
+) -> tuple[IntLike, tuple[Holding, ...]]:
     """The most bytes alive at once in ``gm``'s buffers (``_buffers``), storages in ``held`` (its inputs) not
-    counted. A fused kernel runs where its result is materialized and reads every buffer behind the fused nodes
-    it consists of, so a buffer lives until the last such kernel; a fused kernel whose input buffer dies there
-    and has its dtype and size writes in place, as Inductor's in-place buffer reuse does. Sizes are compared
-    on their hints; the figure at the highest point is returned as an expression. On a GPU (``gpu``) a GEMM
-    Inductor pads reads padded copies of its operands instead (``_padded_gemms``)."""
+    counted, and what holds them there (``_holdings``). A fused kernel runs where its result is materialized and
+    reads every buffer behind the fused nodes it consists of, so a buffer lives until the last such kernel; a
+    fused kernel whose input buffer dies there and has its dtype and size writes in place, as Inductor's in-place
+    buffer reuse does. Sizes are compared on their hints; the figure at the highest point is returned as an
+    expression. On a GPU (``gpu``) a GEMM Inductor pads reads padded copies of its operands instead
+    (``_padded_gemms``)."""
     buffers = _buffers(gm, outputs_from)
     padded = _padded_gemms(gm) if gpu else {}
     if live_from_start:
@@ -382,6 +416,7 @@ def _peak(
     kept = {_root(n) for n in gm.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)}
     live: dict[Any, IntLike] = {}
     best: IntLike = 0
+    at_best: dict[Any, IntLike] = {}
     for index, node in enumerate(nodes):
         for copy, size in born.get(index, ()):
             live[copy] = size
@@ -395,10 +430,38 @@ def _peak(
             live[node] = live.pop(donor) if donor is not None else size
         current: IntLike = sum(live.values())
         if shapes.hint(current) > shapes.hint(best):
-            best = current
+            best, at_best = current, dict(live)
         for dead in [b for b in live if last_use.get(b, index) <= index and b not in kept]:
             del live[dead]
-    return best
+    return best, _holdings(gm, at_best, outputs_from, backward=live_from_start)
+
+
+def _holdings(
+    gm: fx.GraphModule, live: dict[Any, IntLike], outputs_from: int, backward: bool
+) -> tuple[Holding, ...]:
+    """``live`` (buffer -> bytes at a peak) grouped by kind, largest kind first. A backward's placeholders are
+    the saved tensors and the incoming gradients (``tangents_*``); its outputs are gradients; a forward's outputs
+    from ``outputs_from`` on (where above 0) are what it saves."""
+    results = gm.graph.find_nodes(op="output")[0].args[0]
+    ends = {_root(n): i for i, n in enumerate(results) if isinstance(n, fx.Node)}
+
+    def kind(key: Any) -> str:
+        if isinstance(key, tuple):
+            return "padded GEMM operands"
+        if key.op == "placeholder":
+            return "incoming gradients" if key.name.startswith("tangents") else "saved for the backward"
+        if key in ends:
+            if backward:
+                return "gradients"
+            return "saved for the backward" if 0 < outputs_from <= ends[key] else "outputs"
+        return "temporaries"
+
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for key, size in live.items():
+        name = f"padded copy of {key[1]}" if isinstance(key, tuple) else _describe(key)
+        groups.setdefault(kind(key), []).append((shapes.hint(size), name))
+    held = [Holding(k, sum(b for b, _ in v), max(v)[1]) for k, v in groups.items()]
+    return tuple(sorted(held, key=lambda h: -h.bytes))
 
 
 # Inductor's shape padding (torch/_inductor/fx_passes/pad_mm.py), on a GPU: a GEMM whose static M, K or N is not a

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpass import shapes
+from fxpass.compiled_cost import Holding
 from fxpass.shapes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -84,20 +86,44 @@ class GraphReport:
         return (
             f"saved for the backward: {format_bytes(self.step['torch.compile'].hints()['saved'])} under "
             f"torch.compile, {format_bytes(self.step['memopt'].hints()['saved'])} under memopt; the graph's own "
-            f"peak beyond its inputs: {format_bytes(peaks['torch.compile'])} and {format_bytes(peaks['memopt'])}"
+            f"peak beyond its inputs: {format_bytes(peaks['torch.compile'])} and {format_bytes(peaks['memopt'])}\n"
+            f"{self.at_peak('memopt')}"
         )
 
     def peaks(self) -> dict[str, int] | None:
         """The graph's simulated peak beyond its inputs (hints), forward or backward, under torch.compile and
         under memopt; memopt's adds the largest buffer its ops allocate inside their kernels (one op runs at a
-        time), which the partitioner cannot see."""
+        time), which the partitioner cannot see. The tensors the graph returns (a model's logits) are held by
+        the caller through the backward."""
         if self.step is None or "error" in self.step:
             return None
-        internal = max((r.against_compile.get("internal_hint", 0) for r in self.applied if r.against_compile),
-                       default=0)
-        peak = {name: max(cost.hints()["forward_peak"], cost.hints()["backward_peak"])
-                for name, cost in self.step.items()}
+        internal = self._internal_hint()
+        peak = {name: max(hints["forward_peak"], hints["backward_peak"] + shapes.hint(cost.returned))
+                for name, cost in self.step.items() for hints in [cost.hints()]}
         return {"torch.compile": peak["torch.compile"], "memopt": peak["memopt"] + internal}
+
+    def _internal_hint(self) -> int:
+        """The largest buffer memopt's applied ops allocate inside their kernels."""
+        return max((r.against_compile.get("internal_hint", 0) for r in self.applied if r.against_compile),
+                   default=0)
+
+    def at_peak(self, name: str) -> str | None:
+        """Where ``name``'s ("torch.compile" or "memopt") simulated peak is and what holds it, one line: names
+        what sets a step's peak, and so what no rewrite reached."""
+        if self.step is None or "error" in self.step:
+            return None
+        cost = self.step[name]
+        hints = cost.hints()
+        returned = shapes.hint(cost.returned)
+        holders, where = list(cost.forward_holders), "forward"
+        if hints["backward_peak"] + returned > hints["forward_peak"]:
+            holders, where = list(cost.backward_holders), "backward"
+            if returned:
+                holders.append(Holding("returned to the caller", returned, cost.returned_largest))
+        if name == "memopt" and self._internal_hint():
+            holders.append(Holding("inside memopt's kernels (the largest op's)", self._internal_hint(), ""))
+        holders = sorted(holders, key=lambda h: -h.bytes)
+        return f"{name}'s peak is in the {where}: {'; '.join(map(str, holders)) or 'nothing'}"
 
     @property
     def applied(self) -> list[RewriteRecord]:

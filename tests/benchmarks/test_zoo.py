@@ -27,6 +27,9 @@ def assert_both_backends_agree(case: zoo.Case) -> None:
     assert case.runs["memopt"].loss == pytest.approx(case.runs["torch.compile"].loss, rel=1e-4), case
     assert case.rules["cce"] == "applied 1/1", case  # every family's head and loss, the masked LM's too
     assert case.graphs == 1, case  # the whole step in one graph: no break between head and loss
+    # the step simulated under both backends, and what holds memopt's peak named
+    assert case.simulated_mib is not None and min(case.simulated_mib.values()) > 0, case
+    assert case.held_by.startswith("memopt's peak is in the "), case
 
 
 def test_padded_run_fills_the_table(tmp_path):
@@ -60,7 +63,7 @@ def test_a_family_missing_from_transformers_gets_a_row(tmp_path, monkeypatch):
     assert case.note == f"not in transformers {version} (FutureConfig, FutureForCausalLM)"
     assert case.runs == {}
     report = (tmp_path / "zoo.md").read_text()
-    assert f"| future | none | - | - | - | - | - | - | - | - | not in transformers {version}" in report
+    assert f"| future | none | - | - | - | - | - | - | - | - | - | not in transformers {version}" in report
     assert "future (no CCE (none), not measured (none))" in report
 
 
@@ -82,14 +85,17 @@ def test_targets_name_the_families_that_miss_them():
     def case(family: str, cce: str, peak: float, step: float, decoder: bool = True) -> zoo.Case:
         runs = {"torch.compile": zoo.Run("torch.compile", step_ms=10.0, peak_mib=100.0),
                 "memopt": zoo.Run("memopt", step_ms=step, peak_mib=peak)}
-        return zoo.Case(family, "none", decoder, rules={"cce": cce}, runs=runs)
+        return zoo.Case(family, "none", decoder, rules={"cce": cce}, runs=runs, held_by=f"{family}'s holders")
 
-    line = zoo.targets_line([
+    text = zoo.targets_line([
         case("good", "applied 1/1", 60.0, 10.0),
         case("heavy", "applied 1/1", 80.0, 9.0),
         case("slow", "applied 1/1", 50.0, 10.5),
         case("encoder", "applied 1/1", 95.0, 12.0, decoder=False),  # an encoder needs CCE only
         case("uncut", "applied 0/1", 100.0, 10.0, decoder=False),
     ])
+    line, _, held = text.partition("\n\n")
 
     assert line.endswith(": heavy (peak 0.80× (none)); slow (time 1.05× (none)); uncut (no CCE (none))"), line
+    # only the family above the peak target gets what holds its peak named
+    assert held.splitlines()[1:] == ["- heavy (none): heavy's holders"], held

@@ -131,3 +131,35 @@ def test_gpu_pads_a_compute_bound_gemm_off_a_multiple_of_8():
 def test_gpu_leaves_a_memory_bound_gemm_unpadded():
     """At a width of 64 the classifier's GEMMs are memory-bound: Inductor does not pad them."""
     assert _head_cost(4001, 64, "cuda").hints() == _head_cost(4001, 64, None).hints()
+
+
+def test_what_holds_each_peak_adds_up_to_it():
+    """Each peak comes with what is alive there, by kind: the figures add up to the peak, and the backward of a
+    head names the weight's gradient it produces; on a GPU the padded copies are named."""
+    for device in (None, "cuda"):
+        cost = _head_cost(4001, 1024, device)
+        for peak, holders in ((cost.forward_peak, cost.forward_holders), (cost.backward_peak, cost.backward_holders)):
+            assert sum(h.bytes for h in holders) == shapes.hint(peak), holders
+            assert [h.bytes for h in holders] == sorted((h.bytes for h in holders), reverse=True)
+        kinds = {h.kind: h for h in cost.backward_holders}
+        assert kinds["gradients"].bytes >= 4001 * 1024 * 2 and "[4001, 1024]" in kinds["gradients"].largest
+    assert "padded GEMM operands" in {h.kind for h in _head_cost(4001, 1024, "cuda").forward_holders}
+    assert cost.at_peak()[0] == "backward"
+
+
+def test_returned_counts_what_the_caller_gets_and_the_backward_does_not_keep():
+    """A step's returned tensor that is not saved for the backward (a model's logits beside its loss) is held by
+    the caller through the backward: ``returned`` is its bytes; a saved one is not counted twice."""
+
+    def step(x, w):
+        y = x @ w
+        return y.sum(), y * 2  # the sum's gradient needs neither y nor y * 2
+
+    def saved(x, w):
+        y = (x @ w).tanh()
+        return y.sum(), y  # tanh's gradient reads y: saved and returned, counted once
+
+    args = (torch.randn(64, 32, requires_grad=True), torch.randn(32, 48, requires_grad=True))
+    cost = compiled_cost.compiled_cost(fx.symbolic_trace(step), args)
+    assert shapes.hint(cost.returned) == 64 * 48 * 4 + 4 and cost.returned_largest.endswith("[64, 48] float32")
+    assert shapes.hint(compiled_cost.compiled_cost(fx.symbolic_trace(saved), args).returned) == 4  # the sum

@@ -288,3 +288,25 @@ def test_explain_without_executing_decides_and_prices_as_a_run_does():
     ]
     assert captured.records[0].applied
     assert captured.saved_bytes() == ran.saved_bytes() and captured.peak_bytes() == ran.peak_bytes()
+
+
+def test_the_step_summary_names_what_holds_memopts_peak():
+    """A head that returns its logits beside the loss: the caller holds them through the backward, so the
+    simulated peak counts them and the summary names them among what holds memopt's peak."""
+    torch.manual_seed(0)
+    weight = torch.randn(3000, 64, requires_grad=True)
+    hidden = torch.randn(256, 64, requires_grad=True)
+    targets = torch.randint(0, 3000, (256,))
+
+    def head(hidden, targets):
+        logits = F.linear(hidden, weight)
+        return F.cross_entropy(logits, targets), logits
+
+    ex = fxpass.explain(head, hidden, targets, options={"min_saved_bytes": 0}, execute=False)
+    [graph] = ex.graphs
+    assert graph.records[0].applied
+    held = graph.at_peak("memopt")
+    assert held.startswith("memopt's peak is in the ") and held in str(ex)
+    # the backward: the weight's gradient beside the returned fp32 logits, the largest of what holds the peak
+    assert held.startswith("memopt's peak is in the backward: 2.9 MiB returned to the caller (largest mm: [256, 3000]"), held
+    assert ex.peak_bytes()["memopt"] >= 256 * 3000 * 4
