@@ -120,12 +120,14 @@ def extract(nodes: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> tuple[fx.Gr
 
 
 def compiled_cost(
-    module: fx.GraphModule, example_inputs: Sequence[torch.Tensor], device: str | None = None
+    module: fx.GraphModule, example_inputs: Sequence[torch.Tensor], device: str | None = None,
+    to_caller: frozenset[int] | None = None,
 ) -> CompiledCost:
     """``module`` (returning a tuple) partitioned as torch.compile would, on inputs shaped like
     ``example_inputs`` (fake tensors with the graph's symbolic sizes, or real ones); its figures in the
     symbols of ``example_inputs``. ``device``: the device type whose Inductor runs it (default: the inputs'),
-    for what Inductor does on a GPU only (``_padded_gemms``)."""
+    for what Inductor does on a GPU only (``_padded_gemms``). ``to_caller``: which of its outputs reach the
+    step's caller (``CompiledCost.returned``; default: all, as for a whole graph)."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
@@ -164,8 +166,9 @@ def compiled_cost(
     inputs = set(index_of)
     saved = _sum_storages([n for n in saved_nodes if _storage(n) not in inputs])
     taken = inputs | {_storage(n) for n in saved_nodes}
-    results = [n for n in forward.graph.find_nodes(op="output")[0].args[0][:outputs]
-               if isinstance(n, fx.Node) and _is_tensor(n) and _storage(n) not in taken]
+    results = [n for i, n in enumerate(forward.graph.find_nodes(op="output")[0].args[0][:outputs])
+               if (to_caller is None or i in to_caller) and isinstance(n, fx.Node) and _is_tensor(n)
+               and _storage(n) not in taken]
     returned = _sum_storages(results)
     returned_largest = _describe(max(results, key=lambda n: shapes.hint(_storage_bytes(n)))) if results else ""
     described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)

@@ -842,11 +842,30 @@ def choose(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | 
     if candidate.blocker or config.cce_variant != "auto" or _rowwise_blocker(candidate, config) is not None:
         return None
     if candidate.returns_logits and config.memory_device(tensor_value(candidate.hidden).device).type == "cuda":
-        return None  # decided on time (``_head_alone``), not on memory
+        return _returned_on_cuda(candidate, config, priced)
     rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
     chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
     variant, why = three_quarters(candidate, rowwise, chunked, " against torch.compile")
     return dataclasses.replace(config, cce_variant=variant), why
+
+
+def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | None:
+    """Returned logits on CUDA are decided on time (``_head_alone``), as long as the row-wise op still frees
+    memory against torch.compile: it returns logits it does not save and keeps ∂C in fp32, where torch.compile
+    returns the logits it saves. At Cohere's head (V = 256000, D = 4096, 8192 rows, bf16 weights, 2 blocks, so
+    the head is alone by FLOPs) it would raise the piece's peak by 3.1 GiB; cce_with_logits serves it then."""
+    alone = _head_alone(candidate.classifier)
+    if not alone:
+        return None  # cce_with_logits (``choose_variant``)
+    rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
+    if shapes.clears(rowwise, config.min_saved_bytes).pays:
+        return None
+    chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
+    return dataclasses.replace(config, cce_variant="chunked"), (
+        f"{alone}; but the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile (it "
+        f"keeps ∂C and returns logits it does not save, where torch.compile returns the logits it saves) and "
+        f"cce_with_logits {shapes.format_bytes(shapes.hint(chunked))}: cce_with_logits serves them"
+    )
 
 
 # Matmuls counted by ``_head_alone``, with the position of their left operand (``addmm`` takes a bias first).

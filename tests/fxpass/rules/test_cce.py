@@ -717,11 +717,11 @@ class TestVariant(TestCase):
         """Decided as for CUDA, with the logits returned after a body that outweighs the head: what the row-wise
         op keeps for the backward would sit on the step's peak beside them, so "auto" takes ``cce_with_logits``
         with the logits detached (the backend's wrapper carries their gradient) and says what it avoided."""
-        vocab, dim = 4096, 16
-        fn, params = self._returned_logits_loss(vocab, dim, self._mlp(dim, 4096))  # 2·16·4096 > 4096·16 a token
-        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        vocab, dim = 16384, 16  # fp32 logits of 256 MiB, four of the op's 64 MiB chunks
+        fn, params = self._returned_logits_loss(vocab, dim, self._mlp(dim, 16384))  # 2·16·16384 > 16384·16 a token
+        hidden = torch.randn(2, 2048, dim, requires_grad=True)  # chunks well below the logits
         code = self._check_returned_logits(
-            fn, params, hidden, torch.randint(0, vocab, (2, 256)), "with_logits",
+            fn, params, hidden, torch.randint(0, vocab, (2, 2048)), "with_logits",
             "detached cce_with_logits keeps nothing for the backward", "cce_with_logits",
         )
         call = code[code.index("torch.ops.memopt.cce_with_logits.default(") :]
@@ -730,13 +730,48 @@ class TestVariant(TestCase):
     def test_auto_serves_head_alone_returned_logits_with_the_rowwise_op(self):
         """The head alone in its graph (FSDP2 compiles each block as a frame of its own): nothing else runs
         beside the detached op's extra GEMM, so "auto" takes the row-wise op, which returns the logits too."""
-        vocab, dim = 4096, 16
+        vocab, dim = 16384, 16
         fn, params = self._returned_logits_loss(vocab, dim)
-        hidden = torch.randn(2, 256, dim, requires_grad=True)
+        hidden = torch.randn(2, 2048, dim, requires_grad=True)  # chunks well below the logits
         self._check_returned_logits(
-            fn, params, hidden, torch.randint(0, vocab, (2, 256)), "rowwise", "the head alone in its graph",
+            fn, params, hidden, torch.randint(0, vocab, (2, 2048)), "rowwise", "the head alone in its graph",
             "cce_rowwise",
         )
+
+    def test_head_alone_keeps_returned_logits_on_the_detached_op_where_the_rowwise_one_frees_nothing(self):
+        """A one-block Cohere (logit scale, 16-bit weights) returns its scaled logits: its head outweighs the block,
+        so time alone would take the row-wise op, but that op returns logits it does not save beside its fp32 ∂C,
+        where torch.compile returns the logits it saves: it frees nothing against torch.compile. "auto" takes
+        ``cce_with_logits``, says why with both figures, and the whole step simulated peaks lower than under
+        torch.compile; forced to the row-wise op, the rewrite is declined."""
+        import transformers
+
+        config = transformers.CohereConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                           num_key_value_heads=2, vocab_size=32000, num_hidden_layers=1,
+                                           logit_scale=0.0625, eos_token_id=0)
+        torch.manual_seed(0)
+        model = transformers.CohereForCausalLM(config).to(torch.bfloat16).train()
+        ids = torch.randint(0, 32000, (2, 512))
+
+        def explained(**options):
+            torch._dynamo.reset()
+            return fxpass.explain(lambda ids: model(input_ids=ids, labels=ids), ids, options=options,
+                                  assume_device="cuda", execute=False)
+
+        ex = explained()
+        [record] = [r for r in ex.records if r.rule == "cce"]
+        self.assertTrue(record.applied, record.reason)
+        self.assertEqual(record.params["variant"], "with_logits")
+        self.assertRegex(
+            record.params["variant_reason"],
+            r"^returned logits, the head alone in its graph .*; but the row-wise op frees -[\d.]+ MiB against "
+            r"torch.compile .* and cce_with_logits [\d.]+ MiB: cce_with_logits serves them$",
+        )
+        peaks = ex.peak_bytes()
+        self.assertLess(peaks["memopt"], peaks["torch.compile"])
+        [forced] = [r for r in explained(cce_variant="rowwise").records if r.rule == "cce"]
+        self.assertFalse(forced.applied)
+        self.assertLess(forced.against_compile["peak_hint"], 0)
 
     def test_a_body_of_addmm_counts(self):
         """GPT-2's Conv1D layers are ``torch.addmm`` (bias first): their work counts against the head's too."""
@@ -762,11 +797,14 @@ class TestVariant(TestCase):
         self.assertEqual(self._decided(fn, vocab, dim)["variant"], "with_logits")
 
     def test_a_small_body_leaves_the_head_alone(self):
-        """A body whose matmuls do less work than the classifier still counts as the head alone."""
+        """A body whose matmuls do less work than the classifier still counts as the head alone. (Here the
+        row-wise op frees nothing against torch.compile, whose fp32 logits are both saved and returned, so
+        ``cce_with_logits`` serves them, and says so.)"""
         vocab, dim = 4096, 16
         fn, _ = self._returned_logits_loss(vocab, dim, self._mlp(dim, 512))  # 2·16·512 < 4096·16 a token
         params = self._decided(fn, vocab, dim)
-        self.assertEqual(params["variant"], "rowwise")
+        self.assertEqual(params["variant"], "with_logits")
+        self.assertIn("but the row-wise op frees", params["variant_reason"])
         self.assertRegex(params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the classifier's 6\.7e\+07")
 
     def test_auto_takes_rowwise_off_cuda(self):
