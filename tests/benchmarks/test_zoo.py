@@ -99,3 +99,21 @@ def test_targets_name_the_families_that_miss_them():
     assert line.endswith(": heavy (peak 0.80× (none)); slow (time 1.05× (none)); uncut (no CCE (none))"), line
     # only the family above the peak target gets what holds its peak named
     assert held.splitlines()[1:] == ["- heavy (none): heavy's holders"], held
+
+
+def test_predict_only_prices_each_step_for_a_gpu_without_running_it(tmp_path):
+    """``--predict-only``: memopt's decisions and the simulated peaks for a GPU, no step run, no measured
+    figure; a decoder above the peak target by the simulation is named with what holds its peak."""
+    with loggers_restored("", "fxpass"):
+        [case] = zoo.main(["--tiny", "--predict-only", "--families", "gpt2", "--masks", "padded", "--seq", "32",
+                           "--batch", "2", "--out", str(tmp_path)])
+
+    assert case.runs == {} and case.rules["cce"] == "applied 1/1" and case.rules["attention"] == "applied 2/2"
+    assert set(case.simulated_mib) == {"torch.compile", "memopt"} and case.held_by.startswith("memopt's peak")
+    report = (tmp_path / "zoo.md").read_text()
+    assert "predicted for a GPU, nothing run" in report
+    assert f"| {case.simulated_ratio():.2f} | - | - | - |" in report
+    # forced at tiny sizes, the rewrites raise the peak (their kernels' buffers): above the target, named
+    assert case.simulated_ratio() > zoo.PEAK_TARGET
+    assert f"gpt2 (simulated peak {case.simulated_ratio():.2f}× (padded))" in report
+    assert f"- gpt2 (padded): {case.held_by}" in report
