@@ -21,7 +21,8 @@ Three figures per piece (``CompiledCost``), in bytes beyond the piece's inputs:
   gradients, the gradients it produces included.
 The peaks model Inductor's buffers: a node is a buffer only where Inductor cannot fuse it away (an extern kernel
 such as a GEMM or a custom op, a graph output or saved tensor, or the input of an extern kernel), and a freed
-buffer of the same dtype and size is reused, as Inductor's wrapper code does.
+buffer of the same dtype and size is reused, as Inductor's wrapper code does; of the backward's inputs, only the
+saved tensors AOTAutograd donates (neither graph inputs nor returned to the caller) are.
 """
 
 from __future__ import annotations
@@ -166,19 +167,25 @@ def compiled_cost(
     inputs = set(index_of)
     saved = _sum_storages([n for n in saved_nodes if _storage(n) not in inputs])
     taken = inputs | {_storage(n) for n in saved_nodes}
-    results = [n for i, n in enumerate(forward.graph.find_nodes(op="output")[0].args[0][:outputs])
-               if (to_caller is None or i in to_caller) and isinstance(n, fx.Node) and _is_tensor(n)
-               and _storage(n) not in taken]
+    given = [n for i, n in enumerate(forward.graph.find_nodes(op="output")[0].args[0][:outputs])
+             if (to_caller is None or i in to_caller) and isinstance(n, fx.Node) and _is_tensor(n)]
+    results = [n for n in given if _storage(n) not in taken]
     returned = _sum_storages(results)
     returned_largest = _describe(max(results, key=lambda n: shapes.hint(_storage_bytes(n)))) if results else ""
     described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)
     saved_inputs = frozenset(index_of[_storage(n)] for n in saved_nodes if _storage(n) in inputs)
     forward_peak, forward_holders = _peak(forward, inputs, outputs_from=outputs, gpu=gpu)
     # In the backward the saved activations and incoming gradients are alive from its start and die at their last
-    # use (Inductor reuses a donated saved buffer); the forward's inputs are not counted.
+    # use; the forward's inputs are not counted. Inductor writes in place into a saved buffer AOTAutograd donates
+    # to the backward: one neither an input nor given to the caller (which holds it), never an incoming gradient
+    # (``collect_bw_donated_buffer_idxs``). So torch.compile's head that returns its logits computes their
+    # gradient into a fresh buffer, beside the logits and the zeros autograd hands the returned logits.
     of_inputs = {n.name for n in saved_nodes if _storage(n) in inputs}  # the inputs, or views of them, saved
     held = {_storage(n) for n in backward.graph.find_nodes(op="placeholder") if n.name in of_inputs}
-    backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu)
+    kept_by_caller = {_storage(n) for n in given}
+    donated = {n.name for n in saved_nodes if _storage(n) not in inputs and _storage(n) not in kept_by_caller}
+    backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu,
+                                            donated=donated)
     return CompiledCost(
         _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
         _to_graph(backward_peak, back, target_env), described, saved_inputs, forward_holders, backward_holders,
@@ -376,7 +383,8 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
 
 
 def _peak(
-    gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False, gpu: bool = False
+    gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False, gpu: bool = False,
+    donated: set[str] = frozenset(),
 ) -> tuple[IntLike, tuple[Holding, ...]]:
     """The most bytes alive at once in ``gm``'s buffers (``_buffers``), storages in ``held`` (its inputs) not
     counted, and what holds them there (``_holdings``). A fused kernel runs where its result is materialized and
@@ -384,7 +392,7 @@ def _peak(
     fused kernel whose input buffer dies there and has its dtype and size writes in place, as Inductor's in-place
     buffer reuse does. Sizes are compared on their hints; the figure at the highest point is returned as an
     expression. On a GPU (``gpu``) a GEMM Inductor pads reads padded copies of its operands instead
-    (``_padded_gemms``)."""
+    (``_padded_gemms``). Of the graph's inputs, only those named in ``donated`` are written in place."""
     buffers = _buffers(gm, outputs_from)
     padded = _padded_gemms(gm) if gpu else {}
     if live_from_start:
@@ -427,6 +435,7 @@ def _peak(
             size = padded[node].output if node in padded else _storage_bytes(node)
             donor = None if _is_extern(node) else next(
                 (b for b in reads[node] if b in live and last_use.get(b) == index and b not in kept
+                 and (b.op != "placeholder" or b.name in donated)
                  and b.meta["val"].dtype == node.meta["val"].dtype and shapes.expr(live[b]) == shapes.expr(size)),
                 None,
             )

@@ -163,3 +163,26 @@ def test_returned_counts_what_the_caller_gets_and_the_backward_does_not_keep():
     cost = compiled_cost.compiled_cost(fx.symbolic_trace(step), args)
     assert shapes.hint(cost.returned) == 64 * 48 * 4 + 4 and cost.returned_largest.endswith("[64, 48] float32")
     assert shapes.hint(compiled_cost.compiled_cost(fx.symbolic_trace(saved), args).returned) == 4  # the sum
+
+
+def test_the_gradient_of_returned_logits_takes_a_fresh_buffer():
+    """AOTAutograd donates to the backward only saved tensors the caller does not hold, never an incoming
+    gradient: where the head returns its logits, their gradient is a third logits-sized buffer beside the saved
+    logits and the zeros autograd hands them; where it returns the loss alone it is written in place of the
+    saved logits."""
+    hidden = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(1000, 64, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 1000, (256,))
+
+    def returned(h, w, t):
+        logits = F.linear(h, w)
+        return F.cross_entropy(logits, t), logits
+
+    def loss_only(h, w, t):
+        return (F.cross_entropy(F.linear(h, w), t),)
+
+    logits = 256 * 1000 * 2
+    held = compiled_cost.compiled_cost(fx.symbolic_trace(returned), [hidden, weight, targets])
+    alone = compiled_cost.compiled_cost(fx.symbolic_trace(loss_only), [hidden, weight, targets])
+    assert held.hints()["backward_peak"] >= 3 * logits > alone.hints()["backward_peak"] >= logits
+    assert {h.kind for h in held.backward_holders} >= {"saved for the backward", "incoming gradients", "temporaries"}

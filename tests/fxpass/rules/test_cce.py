@@ -738,12 +738,12 @@ class TestVariant(TestCase):
             "cce_rowwise",
         )
 
-    def test_head_alone_keeps_returned_logits_on_the_detached_op_where_the_rowwise_one_frees_nothing(self):
+    def test_head_alone_keeps_returned_logits_on_the_detached_op_where_the_rowwise_one_frees_too_little(self):
         """A one-block Cohere (logit scale, 16-bit weights) returns its scaled logits: its head outweighs the block,
         so time alone would take the row-wise op, but that op returns logits it does not save beside its fp32 ∂C,
-        where torch.compile returns the logits it saves: it frees nothing against torch.compile. "auto" takes
-        ``cce_with_logits``, says why with both figures, and the whole step simulated peaks lower than under
-        torch.compile; forced to the row-wise op, the rewrite is declined."""
+        where torch.compile returns the logits it saves: it frees under 3/4 of what ``cce_with_logits`` frees
+        against torch.compile. "auto" takes ``cce_with_logits``, says why with both figures, and the whole step
+        simulated peaks lower than with the row-wise op forced."""
         import transformers
 
         config = transformers.CohereConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -764,14 +764,15 @@ class TestVariant(TestCase):
         self.assertEqual(record.params["variant"], "with_logits")
         self.assertRegex(
             record.params["variant_reason"],
-            r"^returned logits, the head alone in its graph .*; but the row-wise op frees -[\d.]+ MiB against "
-            r"torch.compile .* and cce_with_logits [\d.]+ MiB: cce_with_logits serves them$",
+            r"^returned logits, the head alone in its graph .*; but the row-wise op frees [\d.]+ MiB against "
+            r"torch.compile .*, under 3/4 of cce_with_logits' [\d.]+ MiB: cce_with_logits serves them$",
         )
         peaks = ex.peak_bytes()
+        rowwise = explained(cce_variant="rowwise")
+        [forced] = [r for r in rowwise.records if r.rule == "cce"]
+        self.assertLess(4 * forced.against_compile["peak_hint"], 3 * record.against_compile["peak_hint"])
+        self.assertLess(peaks["memopt"], rowwise.peak_bytes()["memopt"])
         self.assertLess(peaks["memopt"], peaks["torch.compile"])
-        [forced] = [r for r in explained(cce_variant="rowwise").records if r.rule == "cce"]
-        self.assertFalse(forced.applied)
-        self.assertLess(forced.against_compile["peak_hint"], 0)
 
     def test_a_body_of_addmm_counts(self):
         """GPT-2's Conv1D layers are ``torch.addmm`` (bias first): their work counts against the head's too."""
@@ -797,14 +798,11 @@ class TestVariant(TestCase):
         self.assertEqual(self._decided(fn, vocab, dim)["variant"], "with_logits")
 
     def test_a_small_body_leaves_the_head_alone(self):
-        """A body whose matmuls do less work than the classifier still counts as the head alone. (Here the
-        row-wise op frees nothing against torch.compile, whose fp32 logits are both saved and returned, so
-        ``cce_with_logits`` serves them, and says so.)"""
+        """A body whose matmuls do less work than the classifier still counts as the head alone."""
         vocab, dim = 4096, 16
         fn, _ = self._returned_logits_loss(vocab, dim, self._mlp(dim, 512))  # 2·16·512 < 4096·16 a token
         params = self._decided(fn, vocab, dim)
-        self.assertEqual(params["variant"], "with_logits")
-        self.assertIn("but the row-wise op frees", params["variant_reason"])
+        self.assertEqual(params["variant"], "rowwise")
         self.assertRegex(params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the classifier's 6\.7e\+07")
 
     def test_auto_takes_rowwise_off_cuda(self):
