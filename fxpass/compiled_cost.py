@@ -62,6 +62,9 @@ class CompiledCost:
     # step's caller holds them through the backward (``GraphReport.peaks``), a piece's consumer may not
     returned: IntLike = 0
     returned_largest: str = ""
+    # alive as the backward starts (saved tensors and incoming gradients), where a head's op runs first
+    backward_start: IntLike = 0
+    start_holders: tuple[Holding, ...] = ()
 
     @property
     def peak(self) -> IntLike:
@@ -184,12 +187,20 @@ def compiled_cost(
     held = {_storage(n) for n in backward.graph.find_nodes(op="placeholder") if n.name in of_inputs}
     kept_by_caller = {_storage(n) for n in given}
     donated = {n.name for n in saved_nodes if _storage(n) not in inputs and _storage(n) not in kept_by_caller}
+    # what the caller holds stays alive through the whole backward, past its last use there
+    pinned = {n.name for n in saved_nodes if _storage(n) in kept_by_caller and _storage(n) not in inputs}
     backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu,
-                                            donated=donated)
+                                            donated=donated, pinned=pinned)
+    at_start: dict[Any, IntLike] = {}
+    for node in backward.graph.find_nodes(op="placeholder"):
+        if _is_tensor(node) and _storage(node) not in held and _storage(node) not in {_storage(n) for n in at_start}:
+            at_start[node] = _storage_bytes(node)
+    start_holders = _holdings(backward, at_start, 0, backward=True)
     return CompiledCost(
         _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
         _to_graph(backward_peak, back, target_env), described, saved_inputs, forward_holders, backward_holders,
         _to_graph(returned, back, target_env), returned_largest,
+        _to_graph(sum(at_start.values()), back, target_env), start_holders,
     )
 
 
@@ -384,7 +395,7 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
 
 def _peak(
     gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False, gpu: bool = False,
-    donated: set[str] = frozenset(),
+    donated: set[str] = frozenset(), pinned: set[str] = frozenset(),
 ) -> tuple[IntLike, tuple[Holding, ...]]:
     """The most bytes alive at once in ``gm``'s buffers (``_buffers``), storages in ``held`` (its inputs) not
     counted, and what holds them there (``_holdings``). A fused kernel runs where its result is materialized and
@@ -392,7 +403,8 @@ def _peak(
     fused kernel whose input buffer dies there and has its dtype and size writes in place, as Inductor's in-place
     buffer reuse does. Sizes are compared on their hints; the figure at the highest point is returned as an
     expression. On a GPU (``gpu``) a GEMM Inductor pads reads padded copies of its operands instead
-    (``_padded_gemms``). Of the graph's inputs, only those named in ``donated`` are written in place."""
+    (``_padded_gemms``). Of the graph's inputs, only those named in ``donated`` are written in place; those
+    named in ``pinned`` live to the end (the caller holds them)."""
     buffers = _buffers(gm, outputs_from)
     padded = _padded_gemms(gm) if gpu else {}
     if live_from_start:
@@ -425,6 +437,7 @@ def _peak(
     for source, index in first_pad.items():
         last_use[source] = max(last_use.get(source, index), index)
     kept = {_root(n) for n in gm.graph.find_nodes(op="output")[0].args[0] if isinstance(n, fx.Node)}
+    kept |= {n for n in gm.graph.find_nodes(op="placeholder") if n.name in pinned}
     live: dict[Any, IntLike] = {}
     best: IntLike = 0
     at_best: dict[Any, IntLike] = {}

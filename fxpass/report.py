@@ -92,15 +92,31 @@ class GraphReport:
 
     def peaks(self) -> dict[str, int] | None:
         """The graph's simulated peak beyond its inputs (hints), forward or backward, under torch.compile and
-        under memopt; memopt's adds the largest buffer its ops allocate inside their kernels (one op runs at a
-        time), which the partitioner cannot see. The tensors the graph returns (a model's logits) are held by
-        the caller through the backward."""
+        under memopt (``_phases``)."""
         if self.step is None or "error" in self.step:
             return None
-        internal = self._internal_hint()
-        peak = {name: max(hints["forward_peak"], hints["backward_peak"] + shapes.hint(cost.returned))
-                for name, cost in self.step.items() for hints in [cost.hints()]}
-        return {"torch.compile": peak["torch.compile"], "memopt": peak["memopt"] + internal}
+        return {name: max(phase[0] for phase in self._phases(name)) for name in ("torch.compile", "memopt")}
+
+    def _phases(self, name: str) -> list[tuple[int, str, list[Holding]]]:
+        """The candidates for ``name``'s peak: (bytes, where, what holds them). The tensors the graph returns (a
+        model's logits) are held by the caller through the backward. memopt's ops allocate buffers inside their
+        kernels, which the partitioner cannot see: the largest of them is charged as the backward starts, where
+        the head's op runs first (charged on top of the backward's own peak, it put Mixtral's 2-block step,
+        which peaks in the experts' gradients, above torch.compile's)."""
+        cost = self.step[name]
+        hints = cost.hints()
+        returned = shapes.hint(cost.returned)
+        given = [Holding("returned to the caller", returned, cost.returned_largest)] if returned else []
+        phases = [
+            (hints["forward_peak"], "forward", list(cost.forward_holders)),
+            (hints["backward_peak"] + returned, "backward", [*cost.backward_holders, *given]),
+        ]
+        internal = self._internal_hint() if name == "memopt" else 0
+        if internal:
+            inside = Holding("inside memopt's kernels (the largest op's)", internal, "")
+            phases.append((shapes.hint(cost.backward_start) + returned + internal, "backward's start",
+                           [*cost.start_holders, *given, inside]))
+        return phases
 
     def _internal_hint(self) -> int:
         """The largest buffer memopt's applied ops allocate inside their kernels."""
@@ -112,16 +128,7 @@ class GraphReport:
         what sets a step's peak, and so what no rewrite reached."""
         if self.step is None or "error" in self.step:
             return None
-        cost = self.step[name]
-        hints = cost.hints()
-        returned = shapes.hint(cost.returned)
-        holders, where = list(cost.forward_holders), "forward"
-        if hints["backward_peak"] + returned > hints["forward_peak"]:
-            holders, where = list(cost.backward_holders), "backward"
-            if returned:
-                holders.append(Holding("returned to the caller", returned, cost.returned_largest))
-        if name == "memopt" and self._internal_hint():
-            holders.append(Holding("inside memopt's kernels (the largest op's)", self._internal_hint(), ""))
+        _, where, holders = max(self._phases(name), key=lambda phase: phase[0])
         holders = sorted(holders, key=lambda h: -h.bytes)
         return f"{name}'s peak is in the {where}: {'; '.join(map(str, holders)) or 'nothing'}"
 
