@@ -738,12 +738,11 @@ class TestVariant(TestCase):
             "cce_rowwise",
         )
 
-    def test_head_alone_keeps_returned_logits_on_the_detached_op_where_the_rowwise_one_frees_too_little(self):
-        """A one-block Cohere (logit scale, 16-bit weights) returns its scaled logits: its head outweighs the block,
-        so time alone would take the row-wise op, but that op returns logits it does not save beside its fp32 ∂C,
-        where torch.compile returns the logits it saves: it frees under 3/4 of what ``cce_with_logits`` frees
-        against torch.compile. "auto" takes ``cce_with_logits``, says why with both figures, and the whole step
-        simulated peaks lower than with the row-wise op forced."""
+    def test_head_alone_returned_logits_are_priced_with_the_logits_the_caller_holds(self):
+        """A one-block Cohere (logit scale, 16-bit weights) returns its scaled logits; its head outweighs the block,
+        so the row-wise op serves it (time first) as long as it frees memory against torch.compile, priced with
+        the logits it returns and does not save beside its fp32 ∂C (torch.compile returns the logits it saves).
+        The record's figure is the piece's, and the whole step simulated peaks lower than torch.compile's."""
         import transformers
 
         config = transformers.CohereConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
@@ -752,26 +751,16 @@ class TestVariant(TestCase):
         torch.manual_seed(0)
         model = transformers.CohereForCausalLM(config).to(torch.bfloat16).train()
         ids = torch.randint(0, 32000, (2, 512))
-
-        def explained(**options):
-            torch._dynamo.reset()
-            return fxpass.explain(lambda ids: model(input_ids=ids, labels=ids), ids, options=options,
-                                  assume_device="cuda", execute=False)
-
-        ex = explained()
+        ex = fxpass.explain(lambda ids: model(input_ids=ids, labels=ids), ids, assume_device="cuda", execute=False)
         [record] = [r for r in ex.records if r.rule == "cce"]
         self.assertTrue(record.applied, record.reason)
-        self.assertEqual(record.params["variant"], "with_logits")
-        self.assertRegex(
-            record.params["variant_reason"],
-            r"^returned logits, the head alone in its graph .*; but the row-wise op frees [\d.]+ MiB against "
-            r"torch.compile .*, under 3/4 of cce_with_logits' [\d.]+ MiB: cce_with_logits serves them$",
-        )
+        self.assertEqual(record.params["variant"], "rowwise")
+        self.assertIn("the head alone in its graph", record.params["variant_reason"])
+        # the returned logits (bf16 [1024, 32000]) count against the op: it frees less than torch.compile's
+        # saved logits plus the zeros autograd hands them
+        self.assertLess(record.against_compile["peak_hint"], 2 * 1024 * 32000 * 2)
+        self.assertGreater(record.against_compile["peak_hint"], 0)
         peaks = ex.peak_bytes()
-        rowwise = explained(cce_variant="rowwise")
-        [forced] = [r for r in rowwise.records if r.rule == "cce"]
-        self.assertLess(4 * forced.against_compile["peak_hint"], 3 * record.against_compile["peak_hint"])
-        self.assertLess(peaks["memopt"], rowwise.peak_bytes()["memopt"])
         self.assertLess(peaks["memopt"], peaks["torch.compile"])
 
     def test_a_body_of_addmm_counts(self):
