@@ -74,13 +74,6 @@ class CompiledCost:
     def hints(self) -> dict[str, int]:
         return {name: shapes.hint(getattr(self, name)) for name in ("saved", "forward_peak", "backward_peak")}
 
-    def at_peak(self) -> tuple[str, tuple[Holding, ...]]:
-        """Where the piece peaks ("forward" or "backward") and what holds the memory there."""
-        hints = self.hints()
-        if hints["forward_peak"] >= hints["backward_peak"]:
-            return "forward", self.forward_holders
-        return "backward", self.backward_holders
-
 
 @dataclasses.dataclass(frozen=True)
 class Holding:
@@ -192,8 +185,10 @@ def compiled_cost(
     backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu,
                                             donated=donated, pinned=pinned)
     at_start: dict[Any, IntLike] = {}
+    seen = set(held)
     for node in backward.graph.find_nodes(op="placeholder"):
-        if _is_tensor(node) and _storage(node) not in held and _storage(node) not in {_storage(n) for n in at_start}:
+        if _is_tensor(node) and _storage(node) not in seen:
+            seen.add(_storage(node))
             at_start[node] = _storage_bytes(node)
     start_holders = _holdings(backward, at_start, 0, backward=True)
     return CompiledCost(

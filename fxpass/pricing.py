@@ -26,6 +26,7 @@ from fxpass import shapes
 from fxpass.compiled_cost import CompiledCost, compiled_cost, extract, graph_env
 from fxpass.config import Config
 from fxpass.graph import current, example_value
+from fxpass.liveness import is_view
 from fxpass.report import INTERNAL
 
 log = logging.getLogger(__name__)
@@ -139,21 +140,11 @@ def _cost(nodes: list[fx.Node], device: str | None = None) -> CompiledCost:
     return cache[key]
 
 
-# What hands a tensor on unchanged (its storage or a view of it) between a piece's output and the graph's output.
-_PASSING = {"getitem", "view", "reshape", "_unsafe_view", "permute", "transpose", "t", "detach", "alias", "flatten",
-            "unflatten", "squeeze", "unsqueeze", "view_as", "expand"}
-
-
 def _reaches_caller(node: fx.Node, depth: int = 8) -> bool:
-    """Whether ``node``'s value (or a view of it) is one of the graph's outputs: the caller holds it."""
-    for user in node.users:
-        if user.op == "output":
-            return True
-        name = user.target if isinstance(user.target, str) else getattr(user.target, "__name__", "")
-        passing = depth and user.op in ("call_function", "call_method") and name in _PASSING
-        if passing and _reaches_caller(user, depth - 1):
-            return True
-    return False
+    """Whether ``node``'s value (or a view of it, ``liveness.is_view``) is one of the graph's outputs: the caller
+    holds it."""
+    return any(user.op == "output" or (depth and is_view(user) and _reaches_caller(user, depth - 1))
+               for user in node.users)
 
 
 def _signature(value: Any) -> Any:
