@@ -418,18 +418,24 @@ def measure(case: Case, prepared: list[tuple[Run, Callable]], steps: int, device
                  "-" if run.peak_mib is None else f"{run.peak_mib:.0f}")
 
 
+def model_and_batch(case: Case, args, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
+    """The case's model and the step's keyword arguments (``--tiny`` caps the tokens); notes the tokens and the
+    attention implementation on ``case``."""
+    seq, batch = (min(args.seq, TINY_SEQ), min(args.batch, TINY_BATCH)) if args.tiny else (args.seq, args.batch)
+    model = build_model(case.family, args.layers, args.tiny, seq, device, dtype)
+    case.tokens = batch * seq
+    case.attention_implementation = getattr(model.config, "_attn_implementation", None)
+    inputs = make_batch(FAMILIES[case.family].task, model.config.vocab_size, batch, seq, case.mask == "padded", device)
+    return model, inputs
+
+
 def prepare(case: Case, backend: str, args, device: torch.device, options: dict, reports: list):
     """Build, compile and warm up one backend's copy; its run (with the error, if one was raised) and its step,
     which is None where it failed."""
     run = case.runs[backend] = Run(backend)
-    seq, batch = (min(args.seq, TINY_SEQ), min(args.batch, TINY_BATCH)) if args.tiny else (args.seq, args.batch)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        model = build_model(case.family, args.layers, args.tiny, seq, device, dtype)
-        case.tokens = batch * seq
-        case.attention_implementation = getattr(model.config, "_attn_implementation", None)
-        inputs = make_batch(FAMILIES[case.family].task, model.config.vocab_size, batch, seq, case.mask == "padded",
-                            device)
+        model, inputs = model_and_batch(case, args, device, dtype)
         step = compiled_step(model, inputs, backend, args.inner, options, reports.append)
         first_calls(run, step, device)
         log.info("%s %s %s: first call %.1f s, loss %.4f", case.family, case.mask, backend, run.first_call_s, run.loss)
@@ -474,12 +480,7 @@ def predict(case: Case, args, options: dict) -> None:
     import fxpass
 
     torch._dynamo.reset()
-    cpu = torch.device("cpu")
-    model = build_model(case.family, args.layers, args.tiny, args.seq, cpu, torch.bfloat16)
-    case.tokens = args.batch * args.seq
-    case.attention_implementation = getattr(model.config, "_attn_implementation", None)
-    inputs = make_batch(FAMILIES[case.family].task, model.config.vocab_size, args.batch, args.seq,
-                        case.mask == "padded", cpu)
+    model, inputs = model_and_batch(case, args, torch.device("cpu"), torch.bfloat16)
     explanation = fxpass.explain(lambda **batch: model(**batch), options=options, assume_device="cuda",
                                  execute=False, **inputs)
     record_rules(case, explanation.graphs)
