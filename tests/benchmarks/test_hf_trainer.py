@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from benchmarks.hf_trainer import Result, main, with_ratios
+from tests.leaks import loggers_restored
 
 
 @pytest.mark.slow
 def test_smoke_run_trains_both_models_under_both_routes(tmp_path):
-    results = main(["--smoke", "--variants", "torch.compile/sdpa,memopt/eager", "--out", str(tmp_path)])
+    with loggers_restored("", "fxpass"):  # main sets logging up as a script does
+        results = main(["--smoke", "--variants", "torch.compile/sdpa,memopt/eager", "--out", str(tmp_path)])
 
     rows = json.loads((tmp_path / "hf_trainer.json").read_text())
     assert [(r["model"], r["variant"]) for r in rows] == [
