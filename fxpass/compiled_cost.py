@@ -126,6 +126,7 @@ def compiled_cost(
     for what Inductor does on a GPU only (``_padded_gemms``). ``to_caller``: which of its outputs reach the
     step's caller (``CompiledCost.returned``; default: all, as for a whole graph)."""
     from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor import config as inductor_config
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.virtualized import V
 
@@ -148,8 +149,14 @@ def compiled_cost(
     outputs = len(module.graph.find_nodes(op="output")[0].args[0])
     gpu = (device or _device_type(example_inputs)) == "cuda"
     # Inductor's joint-graph passes read the fake mode from its virtualized handler (the random-seed pass of a
-    # graph with dropout or ``torch.rand`` enters it).
-    with torch._guards.tracing(None), mode, V.set_fake_mode(mode):
+    # graph with dropout or ``torch.rand`` enters it). Its shape padding stays off: on a GPU (not from a laptop)
+    # it would benchmark each GEMM on the device while pricing and write its padding into the joint graph, in a
+    # form whose buffers ``_peak`` undercounts (GPT-2's head on the H200: benchmarks/memory_model.py). With it
+    # off, ``_padded_gemms`` models the padding, alike on a GPU and from a laptop.
+    with (
+        torch._guards.tracing(None), mode, V.set_fake_mode(mode),
+        inductor_config.patch(shape_padding=False),
+    ):
         aot_module_simplified(
             module, fresh, fw_compiler=forward_only, partition_fn=partition, decompositions=select_decomp_table(),
         )
@@ -346,8 +353,16 @@ _EXTERN_PACKETS = {
     "_flash_attention_forward", "_efficient_attention_forward", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_flash_attention_backward", "_efficient_attention_backward", "sort", "topk", "cumsum", "index_put",
-    "scatter_add", "embedding_dense_backward",
+    "_flash_attention_backward", "_efficient_attention_backward", "sort", "topk", "cumsum",
+    "embedding_dense_backward",
+}
+# Scatters: Inductor writes the indexed values into a buffer made from the destination (a fresh one where the
+# destination is a fused zeros, as in an embedding's or a tied classifier's fp32 weight gradient), reading the
+# values and indices through fused loads; so the result is a buffer, its operands need not be. (torch 2.13's
+# embedding backward decomposes to ``_unsafe_masked_index_put_accumulate``, 2.11's to ``index_put``.)
+_SCATTER_PACKETS = {
+    "index_put", "_unsafe_index_put", "_unsafe_masked_index_put_accumulate", "index_put_", "scatter",
+    "scatter_add", "scatter_reduce", "index_add",
 }
 _VIEWS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "squeeze", "unsqueeze",
           "slice", "select", "alias", "as_strided", "split", "split_with_sizes", "unbind", "view_as", "detach"}
@@ -374,8 +389,9 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
-    """The nodes Inductor materializes: extern kernels' results and inputs (through views), the graph's outputs
-    from index ``outputs_from`` on (saved tensors in a forward, gradients in a backward) and what they view."""
+    """The nodes Inductor materializes: extern kernels' results and inputs (through views), scatters' results,
+    the graph's outputs from index ``outputs_from`` on (saved tensors in a forward, gradients in a backward) and
+    what they view."""
     materialized: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function" or not _is_tensor(node):
@@ -383,6 +399,8 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
         if _is_extern(node):
             materialized.add(node)
             materialized.update(_root(a) for a in node.all_input_nodes if _is_tensor(a))
+        elif _packet(node) in _SCATTER_PACKETS:
+            materialized.add(node)
     results = gm.graph.find_nodes(op="output")[0].args[0]
     materialized.update(_root(n) for n in results[outputs_from:] if isinstance(n, fx.Node) and _is_tensor(n))
     return {n for n in materialized if n.op == "call_function" and not _is_view(n)}

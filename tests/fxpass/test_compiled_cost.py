@@ -186,3 +186,17 @@ def test_the_gradient_of_returned_logits_takes_a_fresh_buffer():
     alone = compiled_cost.compiled_cost(fx.symbolic_trace(loss_only), [hidden, weight, targets])
     assert held.hints()["backward_peak"] >= 3 * logits > alone.hints()["backward_peak"] >= logits
     assert {h.kind for h in held.backward_holders} >= {"saved for the backward", "incoming gradients", "temporaries"}
+
+
+def test_an_embedding_gradient_accumulates_in_one_fp32_buffer():
+    """A 16-bit embedding's backward scatters its rows' gradients into one fp32 [V, D] buffer (the zeros it starts
+    from fused into it), then rounds it to the weight's dtype: the backward peaks at both, 6 bytes an element.
+    Counting the zeros apart (a scatter taken for a GEMM-like kernel) or fusing the scatter away (as if it were
+    pointwise) misprices a tied classifier's step by a gigabyte at Llama-3.2-1B's vocabulary."""
+    vocab, dim = 4000, 256
+    ids = torch.randint(0, vocab, (8, 128))
+    weight = torch.randn(vocab, dim, dtype=torch.bfloat16, requires_grad=True)
+    cost = compiled_cost.compiled_cost(fx.symbolic_trace(lambda i, w: (F.embedding(i, w).float().sum(),)), [ids, weight])
+    assert cost.hints()["backward_peak"] == vocab * dim * (4 + 2)
+    kinds = {h.kind: h for h in cost.backward_holders}
+    assert "float32" in kinds["temporaries"].largest and kinds["gradients"].bytes == vocab * dim * 2
