@@ -224,9 +224,17 @@ def _draw_kernel(
 # Fixed-point rounds at most; softmax-normal probabilities over 16384 rows (spreads 0.1–8, budgets 0.01–0.5)
 # converged within 11.
 WINNER_ROUNDS = 32
-# The one program's launch: rows (and slots) handled per loop step, and warps. Measured on the H200 at 81 µs a
-# call for 16384 rows and 4915 slots; other settings were not timed on a GPU.
-DRAW_LAUNCH = {"BLOCK": 1024, "num_warps": 8}
+# The one program's launch by row count: (most rows, rows and slots handled per loop step, warps); the first
+# entry that holds the rows serves. `benchmarks/tools/wta_draw_tune.py --rows 16384,8192` on an H100 (budget 0.3):
+# 16384 rows 80.0 µs a call at (8192, 16) against 122.9 at (1024, 8); 8192 rows 58.5 at (4096, 16) against 74.9.
+# Beyond 16384 rows, not swept: the earlier default.
+DRAW_LAUNCHES: tuple[tuple[int, int, int], ...] = ((8192, 4096, 16), (16384, 8192, 16), (2**62, 1024, 8))
+
+
+def draw_launch(n_rows: int) -> dict[str, int]:
+    """The draw kernel's launch for ``n_rows`` rows (``DRAW_LAUNCHES``)."""
+    _, block, warps = next(entry for entry in DRAW_LAUNCHES if n_rows <= entry[0])
+    return {"BLOCK": block, "num_warps": warps}
 
 
 def draw(
@@ -253,6 +261,6 @@ def draw(
         scores, scores if estimate is None else estimate, looked_up, uniforms, cumulative, index, weight,
         n_rows, n_slots, WINNER_ROUNDS, max(period, 1), floor,
         N_POSITIONS=1 if estimate is None else estimate.numel(), LOOKUP=estimate is not None, WINNERS=winners,
-        **(launch or DRAW_LAUNCH),
+        **(launch or draw_launch(n_rows)),
     )
     return index, weight

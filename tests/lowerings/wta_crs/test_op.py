@@ -402,6 +402,23 @@ def test_draw_kernel_follows_the_estimator(rows, k, spread, winners):
     check_sample(scores, uniforms, *reference.draw(reference.normalize(scores), uniforms, winners), winners)
 
 
+@pytest.mark.parametrize("winners", [True, False])
+def test_every_tuned_draw_launch_follows_the_estimator(winners):
+    """Each launch ``kernels.DRAW_LAUNCHES`` picks by row count (one tile over every row, or several) draws a
+    sample the estimator's float64 definition accepts, and the table serves every row count."""
+    pytest.importorskip("triton")
+    from lowerings.wta_crs import kernels
+
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.exp(torch.randn(2500, generator=gen))
+    uniforms = torch.rand(250, generator=gen)
+    for _, block, warps in kernels.DRAW_LAUNCHES:
+        launch = {"BLOCK": block, "num_warps": warps}
+        drawn = kernels.draw(scores.to(KERNELS_ON), uniforms.to(KERNELS_ON), winners, launch=launch)
+        check_sample(scores, uniforms, *(t.cpu() for t in drawn), winners)
+    assert [kernels.draw_launch(n)["BLOCK"] for n in (1, 8192, 8193, 16384, 10**9)] == [4096, 4096, 8192, 8192, 1024]
+
+
 def test_draw_kernel_when_a_few_rows_hold_all_the_mass():
     """One row with ~all the probability: the threshold's set jumps past k (1 − mass rounds to 0 in fp32); the
     kernel keeps the last set with a slot left to draw, as the sorted rule does."""
