@@ -108,6 +108,10 @@ class AttentionMatch:
     # An SDPA call that stays SDPA with an O(B·T) mask: "is_causal", "keys" (a [B, 1, 1, Tk] mask) or "none".
     sdpa_mask: str | None = None
     sdpa_fill: float | None = None  # the fill of an SDPA float mask rebuilt per key
+    # One key/value head broadcast over the query heads without enable_gqa (multi-query attention, as
+    # transformers 5.17's Falcon calls SDPA): the same as grouped-query attention with one group, so it is taken
+    # as that, and the SDPA call that stays is told so.
+    broadcast_kv: bool = False
     compute_dtype: torch.dtype | None = None  # autocast's dtype, which q, k, v are cast to
     blocker: str | None = None
 
@@ -211,8 +215,11 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
     if any(t is None or t.dim() != 4 for t in values) or head_dim is None:
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (not 4-D q, k, v with a static head dim)")
     constants = isinstance(bound["dropout_p"], float | int) and isinstance(bound["scale"], float | int | None)
+    broadcast_kv = False
     if not bound["enable_gqa"] and not statically_known_true(values[0].shape[1] == values[1].shape[1]):
-        return AttentionMatch(node, blocker=f"{SDPA_FUSED} (query and key heads differ without enable_gqa)")
+        if not all(statically_known_true(t.shape[1] == 1) for t in values[1:]):
+            return AttentionMatch(node, blocker=f"{SDPA_FUSED} (query and key heads differ without enable_gqa)")
+        broadcast_kv = True
     if _per_key_shaped(tensor_value(mask)):
         return AttentionMatch(node, blocker=f"{SDPA_FUSED} (its mask has no query dimension: already [B, 1, 1, Tk])")
     structure, empty_rows, fill = _sdpa_mask_structure(mask, values[0], values[1], facts.real_value)
@@ -223,7 +230,7 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
         chain=(node,), output=node, q=q, k=k, v=v, causal=structure.causal, mask_nodes=(mask,),
         dropout_p=float(bound["dropout_p"]) if constants else unknown,
         scale=(float(bound["scale"]) if bound["scale"] is not None else head_dim**-0.5) if constants else unknown,
-        key_masks=structure.keys, empty_rows=empty_rows, sdpa_fill=fill,
+        key_masks=structure.keys, empty_rows=empty_rows, sdpa_fill=fill, broadcast_kv=broadcast_kv,
     )
     if structure.window is None and not structure.keys:
         fields["sdpa_mask"] = "is_causal" if structure.causal else "none"
@@ -1037,6 +1044,8 @@ def _sdpa_with_mask_structure(add, candidate: AttentionMatch) -> fx.Node:
             mask = add("call_method", "to", mask, mask_dtype)
     kwargs = {"attn_mask": mask, "dropout_p": bound["dropout_p"], "is_causal": candidate.sdpa_mask == "is_causal"}
     kwargs.update({key: bound[key] for key in ("scale", "enable_gqa") if key in node.kwargs or bound[key]})
+    if candidate.broadcast_kv:  # SDPA's fused kernels take one key head as grouped-query attention, not broadcast
+        kwargs["enable_gqa"] = True
     return add("call_function", node.target, q, k, v, **kwargs)
 
 

@@ -267,6 +267,23 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
         self.assertNotIn("tril", after_code(ex))
         self.assertIn("is_causal = True", after_code(ex))
 
+    def test_sdpa_with_one_key_head_broadcast(self):
+        """transformers 5.17's Falcon hands SDPA one key/value head broadcast over the query heads (multi-query
+        attention, no enable_gqa) and a materialized causal mask: rewritten to ``is_causal=True`` with
+        ``enable_gqa=True``, grouped-query attention with one group being the same broadcast, and the form SDPA's
+        fused kernels take; eager's numbers."""
+
+        def fn(q, k, v):
+            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        ex = _check(fn, *_qkv(heads=4, kv_heads=1))
+        (record,) = _attention_records(ex)
+        self.assertTrue(record.applied, record.reason)
+        self.assertEqual((record.params["heads"], record.params["kv_heads"]), ("4", "1"))
+        self.assertIn("enable_gqa = True", after_code(ex))
+        self.assertNotIn("tril", after_code(ex))
+
     def test_sdpa_mask_flag_under_autocast_with_mixed_dtypes(self):
         """Llama's rotary embedding leaves q and k in fp32 beside a bf16 v; autocast casts all three (and a float
         mask) to bf16 inside SDPA. The SDPA call that replaces the masked one casts them itself, as autocast did:
