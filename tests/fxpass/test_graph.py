@@ -85,7 +85,8 @@ class TestViewKind:
     }
 
     @pytest.fixture(scope="class")
-    def nodes(self):
+    @classmethod
+    def nodes(cls):
         return by_name(capture(_views, torch.randn(4, 6)))
 
     @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -132,7 +133,8 @@ class TestIsParamTranspose:
     )
 
     @pytest.fixture(scope="class")
-    def nodes(self):
+    @classmethod
+    def nodes(cls):
         return by_name(
             capture(_transposes, torch.randn(3, 5), torch.randn(2, 3, 4), torch.randn(3, 5, dtype=torch.complex64))
         )
