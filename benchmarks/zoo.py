@@ -205,6 +205,9 @@ class Case:
     held_by: str = ""
     runs: dict[str, Run] = dataclasses.field(default_factory=dict)
     note: str = ""
+    # the run's first report line (date, device, torch, transformers): a table rendered later from these lines,
+    # on another machine, names where they were measured, not where they were rendered
+    measured_on: str = ""
 
     def figure(self, backend: str, field: str) -> float | None:
         run = self.runs.get(backend)
@@ -590,12 +593,23 @@ def load_cases(paths: list[Path]) -> list[Case]:
     return list(cases.values())
 
 
-def report(cases: list[Case], args: argparse.Namespace, device: torch.device) -> None:
+def run_title(args: argparse.Namespace, device: torch.device) -> str:
     precision = "bf16 weights" if device.type == "cuda" else "fp32"
     if args.predict_only:
         precision = "bf16 weights; predicted for a GPU, nothing run"
-    title = header(f"Model zoo, a training step under torch.compile and memopt ({precision}, {args.layers} layers, "
-                   f"transformers {transformers_version()})", device)
+    return header(f"Model zoo, a training step under torch.compile and memopt ({precision}, {args.layers} layers, "
+                  f"transformers {transformers_version()})", device)
+
+
+def rendered_title(cases: list[Case]) -> str:
+    """The title of a table rendered from earlier runs: each distinct run's own first line."""
+    titles = list(dict.fromkeys(case.measured_on or "(a run that did not record where it ran)" for case in cases))
+    return titles[0] if len(titles) == 1 else "Model zoo, rendered from these runs:\n" + "\n".join(
+        f"- {title}" for title in titles)
+
+
+def report(cases: list[Case], args: argparse.Namespace, device: torch.device) -> None:
+    title = rendered_title(cases) if args.render else run_title(args, device)
     write_report(args.out, "zoo.md", f"{title}\n\n{table(cases)}\n\n{targets_line(cases)}")
     (args.out / "zoo.json").write_text(json.dumps([dataclasses.asdict(case) for case in cases], indent=1))
 
@@ -613,9 +627,11 @@ def main(argv: list[str] | None = None) -> list[Case]:
         options.setdefault("force", True)  # tiny sizes: no rewrite would pay, and the run is about which match
     cases = []
     progress = args.out / "zoo.jsonl"  # a line per case as it ends: a run cut short keeps what it measured
+    title = run_title(args, device)
     for name in args.families.split(","):
         for mask in args.masks.split(","):
             case = run_case(name, mask, args, device, options)
+            case.measured_on = title
             cases.append(case)
             with progress.open("a") as lines:
                 lines.write(json.dumps(dataclasses.asdict(case)) + "\n")

@@ -3,6 +3,7 @@ mask, memopt's side reports its rewrites, their losses agree; a family this tran
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -117,3 +118,24 @@ def test_predict_only_prices_each_step_for_a_gpu_without_running_it(tmp_path):
     assert case.simulated_ratio() > zoo.PEAK_TARGET
     assert f"gpt2 (simulated peak {case.simulated_ratio():.2f}× (padded))" in report
     assert f"- gpt2 (padded): {case.held_by}" in report
+
+
+def test_a_table_rendered_later_names_where_each_run_measured(tmp_path):
+    """``--render`` on another machine: the title is the runs' own first lines, not the rendering machine's."""
+    def line(family: str, measured_on: str) -> str:
+        runs = {"torch.compile": zoo.Run("torch.compile", step_ms=10.0, peak_mib=100.0),
+                "memopt": zoo.Run("memopt", step_ms=9.0, peak_mib=60.0)}
+        case = zoo.Case(family, "none", True, rules={"cce": "applied 1/1"}, runs=runs, measured_on=measured_on)
+        return json.dumps(dataclasses.asdict(case))
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(line("gpt2", "Model zoo (bf16), NVIDIA H100 80GB HBM3") + "\n")
+    second.write_text(line("llama", "Model zoo (bf16), NVIDIA H200") + "\n" + line("gpt2", "") + "\n")
+    with loggers_restored("", "fxpass"):
+        cases = zoo.main(["--render", str(first), str(second), "--out", str(tmp_path / "out")])
+
+    assert [case.family for case in cases] == ["gpt2", "llama"]  # a case measured twice keeps its latest line
+    title = (tmp_path / "out" / "zoo.md").read_text().split("\n\n")[0]
+    assert title.splitlines() == ["Model zoo, rendered from these runs:",
+                                  "- (a run that did not record where it ran)", "- Model zoo (bf16), NVIDIA H200"]
+    assert "cpu" not in title and "torch" not in title
