@@ -20,7 +20,7 @@ Flows:
   Each sharded block is a frame of its own, so head and loss compile as a graph alone; the two backends' steps
   alternate here, where ``distributed.py`` times its variants one after another.
 
-``--checkpointing off,on`` adds the same cases with HF's ``gradient_checkpointing_enable()`` (non-reentrant
+``--checkpointing off,on`` adds the same cases with HF's per-layer checkpointing (``checkpoint_layers``, non-reentrant
 ``torch.utils.checkpoint`` around every layer), so the table shows checkpointing alone (torch.compile, on) beside
 checkpointing + memopt (memopt, on), and both beside the runs without it:
 
@@ -50,6 +50,7 @@ from benchmarks._common import (
     set_up,
     write_report,
 )
+from fxpass.integrations.transformers import checkpoint_layers
 
 log = logging.getLogger("benchmarks.e2e")
 
@@ -116,7 +117,7 @@ def build_model(
     # skip the fallback's warning) would otherwise split head and loss into two graphs
     model.loss_type = "ForCausalLM"
     if checkpointing:  # every decoder layer recomputed in the backward, as fine-tuning setups often do
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(model, use_reentrant=False)
     return model.train()
 
 

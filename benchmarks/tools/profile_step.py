@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
-    parser.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
+    parser.add_argument("--checkpointing", action="store_true", help="HF's per-layer activation checkpointing")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)

@@ -63,6 +63,19 @@ def missing_loss_type(model: torch.nn.Module) -> str | None:
     return None if model.loss_type in LOSS_MAPPING else DEFAULT_LOSS_TYPE
 
 
+def checkpoint_layers(model: torch.nn.Module, use_reentrant: bool | None = None) -> None:
+    """Turn on HF's per-layer activation checkpointing; ``use_reentrant`` None keeps transformers' default.
+
+    transformers renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable`` and warns that the
+    old name goes in v6; versions before the rename have only the old one. Calling whichever the installed
+    version has keeps the suite and the benchmarks free of the warning now and working after the removal."""
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def compile_model(
     model: M, options: Mapping[str, Any] | None = None, mode: str | None = None, **compile_kwargs: Any
 ) -> M:

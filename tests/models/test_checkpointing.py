@@ -1,5 +1,5 @@
 """Activation checkpointing with memopt: ``torch.utils.checkpoint`` inside the compiled region and HF's
-``gradient_checkpointing_enable()``.
+``activation_checkpointing_enable()`` (``checkpoint_layers``).
 
 Each run is compared with the same checkpointed model without memopt (eager). Inside a checkpointed region the
 attention rewrite applies and its record names the region and counts a transient peak; WTA-CRS declines there
@@ -9,6 +9,7 @@ attention rewrite applies and its record names the region and counts a transient
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import transformers
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fxpass
+from fxpass.integrations.transformers import checkpoint_layers
 from tests.helpers import assert_close_all
 
 pytestmark = pytest.mark.slow
@@ -163,11 +165,15 @@ def _hf_gpt2() -> transformers.GPT2LMHeadModel:
 
 
 @pytest.mark.parametrize("flow", ["loss_only", "whole_model"])
-def test_hf_gradient_checkpointing_enable(flow):
+def test_hf_activation_checkpointing(flow):
     """HF's layers checkpoint themselves: the compiled step or model runs, equals eager, and CCE outside still
-    applies (``memopt.cce_with_logits`` when the whole model is compiled and returns its logits)."""
+    applies (``memopt.cce_with_logits`` when the whole model is compiled and returns its logits). Turned on by
+    whichever name the installed transformers has, without its deprecation warning."""
     model = _hf_gpt2()
-    model.gradient_checkpointing_enable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        checkpoint_layers(model)
+    assert model.is_gradient_checkpointing
     model.train()
     ids, _ = _batch()
     if flow == "loss_only":

@@ -777,7 +777,7 @@ class TestVariant(TestCase):
         self.assertEqual(self._decided(fn, vocab, dim)["variant"], "with_logits")
 
     def test_a_checkpointed_body_counts(self):
-        """A body under activation checkpointing (HF's ``gradient_checkpointing_enable``) is a region of its own in
+        """A body under activation checkpointing (HF's ``activation_checkpointing_enable``) is a region of its own in
         the graph: its matmuls still count against the head's, so the whole model keeps ``cce_with_logits``."""
         vocab, dim = 4096, 16
         mlp = self._mlp(dim, 4096)
