@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -394,12 +395,16 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
     what they view."""
     materialized: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not _is_tensor(node):
+        if node.op != "call_function":
             continue
         if _is_extern(node):
-            materialized.add(node)
             materialized.update(_root(a) for a in node.all_input_nodes if _is_tensor(a))
-        elif _packet(node) in _SCATTER_PACKETS:
+            # An op with several results (SDPA's backward: dQ, dK, dV; memopt's loss backward: ∂E, ∂C) writes each
+            # into a buffer of its own, alive until its last reader, even where that reader is a fused kernel
+            # (dQ into the rotary embedding's backward; a tied classifier's ∂C into the final sum with the
+            # embedding's gradient, at the backward's end).
+            materialized.update([node] if _is_tensor(node) else [u for u in node.users if _is_tensor(u)])
+        elif _is_tensor(node) and _packet(node) in _SCATTER_PACKETS:
             materialized.add(node)
     results = gm.graph.find_nodes(op="output")[0].args[0]
     materialized.update(_root(n) for n in results[outputs_from:] if isinstance(n, fx.Node) and _is_tensor(n))
@@ -459,7 +464,9 @@ def _peak(
             live[copy] = size
         if node in buffers and _storage(node) not in held:
             size = padded[node].output if node in padded else _storage_bytes(node)
-            donor = None if _is_extern(node) else next(
+            # an extern kernel writes its results into fresh buffers, never in place of its inputs
+            extern = _is_extern(node) or (node.target is operator.getitem and _is_extern(node.args[0]))
+            donor = None if extern else next(
                 (b for b in reads[node] if b in live and last_use.get(b) == index and b not in kept
                  and (b.op != "placeholder" or b.name in donated)
                  and b.meta["val"].dtype == node.meta["val"].dtype and shapes.expr(live[b]) == shapes.expr(size)),

@@ -200,3 +200,22 @@ def test_an_embedding_gradient_accumulates_in_one_fp32_buffer():
     assert cost.hints()["backward_peak"] == vocab * dim * (4 + 2)
     kinds = {h.kind: h for h in cost.backward_holders}
     assert "float32" in kinds["temporaries"].largest and kinds["gradients"].bytes == vocab * dim * 2
+
+
+def test_each_result_of_a_several_result_kernel_is_a_buffer():
+    """SDPA's backward writes dQ, dK and dV into buffers of their own, alive until the fused kernel that reads them
+    (here the sum that makes x's gradient), and written while the kernel's inputs are alive: all three count at
+    the backward's peak. Fused away, they had put memopt's simulated peak 190 MiB under the one measured on the H100 (the
+    Llama-3.2-1B shape's two attention backwards), and a tied classifier's ∂C, read at the backward's end, was
+    missing from every point before."""
+    x = torch.randn(2, 4, 64, 16, requires_grad=True)
+
+    def step(x):
+        return (F.scaled_dot_product_attention(x.sin(), x.cos(), x.exp(), is_causal=True).sum(),)
+
+    cost = compiled_cost.compiled_cost(fx.symbolic_trace(step), [x])
+    size = x.numel() * 4
+    holders = {h.kind: h for h in cost.backward_holders}
+    assert holders["temporaries"].bytes == 3 * size, cost.backward_holders  # dQ, dK, dV
+    # written while the kernel's inputs are alive, never in place of one: the peak is all that was saved, plus them
+    assert cost.hints()["backward_peak"] == cost.hints()["saved"] + 3 * size + 4  # and the incoming gradient
