@@ -601,17 +601,18 @@ def run_title(args: argparse.Namespace, device: torch.device) -> str:
                   f"transformers {transformers_version()})", device)
 
 
-def rendered_title(cases: list[Case]) -> str:
-    """The title of a table rendered from earlier runs: each distinct run's own first line."""
+def report_title(cases: list[Case]) -> str:
+    """The table's title: the first line of the run that measured its cases, or of each run where a table is
+    rendered from several (``--render``)."""
     titles = list(dict.fromkeys(case.measured_on or "(a run that did not record where it ran)" for case in cases))
     return titles[0] if len(titles) == 1 else "Model zoo, rendered from these runs:\n" + "\n".join(
         f"- {title}" for title in titles)
 
 
-def report(cases: list[Case], args: argparse.Namespace, device: torch.device) -> None:
-    title = rendered_title(cases) if args.render else run_title(args, device)
-    write_report(args.out, "zoo.md", f"{title}\n\n{table(cases)}\n\n{targets_line(cases)}")
-    (args.out / "zoo.json").write_text(json.dumps([dataclasses.asdict(case) for case in cases], indent=1))
+def report(cases: list[Case], out: Path) -> None:
+    title = report_title(cases)
+    write_report(out, "zoo.md", f"{title}\n\n{table(cases)}\n\n{targets_line(cases)}")
+    (out / "zoo.json").write_text(json.dumps([dataclasses.asdict(case) for case in cases], indent=1))
 
 
 def main(argv: list[str] | None = None) -> list[Case]:
@@ -620,7 +621,7 @@ def main(argv: list[str] | None = None) -> list[Case]:
     device = torch.device(args.device)
     if args.render:
         cases = load_cases(args.render)
-        report(cases, args, device)
+        report(cases, args.out)
         return cases
     options = json.loads(args.memopt_options)
     if args.tiny:
@@ -635,7 +636,7 @@ def main(argv: list[str] | None = None) -> list[Case]:
             cases.append(case)
             with progress.open("a") as lines:
                 lines.write(json.dumps(dataclasses.asdict(case)) + "\n")
-    report(cases, args, device)
+    report(cases, args.out)
     return cases
 
 
