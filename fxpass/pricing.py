@@ -28,6 +28,7 @@ from fxpass.config import Config
 from fxpass.graph import current, example_value
 from fxpass.liveness import is_view
 from fxpass.report import INTERNAL
+from lowerings._library import FORWARD_TRANSIENT
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,13 @@ def held_peak(cost: CompiledCost) -> IntLike:
 
 
 def internal_bytes(terms: Mapping[str, IntLike]) -> IntLike:
-    """The transient terms of an op's memory model: what it allocates inside its kernels."""
+    """The transient terms of an op's memory model: what it allocates inside its kernels in the backward. Those
+    labelled ``FORWARD_TRANSIENT`` (the row-wise CCE's chunk of logits and padded classifier: it does its work
+    in the forward) are not: the simulation charges them at the op's own node in the forward, from the op's
+    registered workspace (``lowerings._library.workspace``)."""
     total: IntLike = 0
     for label, value in terms.items():
-        if label.startswith("transient"):
+        if label.startswith("transient") and not label.startswith(FORWARD_TRANSIENT):
             total = total + value
     return total
 

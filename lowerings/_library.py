@@ -41,6 +41,26 @@ def reference_op(name: str) -> Callable[[Callable], torch.library.CustomOpDef]:
     return lambda body: torch.library.custom_op(f"{NAMESPACE}::{name}", body, mutates_args=())
 
 
+# Bytes an op allocates inside its kernels, beyond its inputs and outputs, while it runs: what a simulation of the
+# compiled graph (``fxpass/compiled_cost.py``) cannot read from the graph. Keyed by the op's qualified name; each
+# function takes the device type whose implementation runs ("cuda", "cpu") and the op's arguments (fake tensors
+# of symbolic sizes, constants) and returns bytes, an int or a SymInt.
+WORKSPACES: dict[str, Callable[..., object]] = {}
+
+# The label of an op's memory-model term (``working_set``) allocated in the forward while the op runs there.
+FORWARD_TRANSIENT = "transient (forward)"
+
+
+def workspace(name: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """Decorator: register ``memopt::<name>``'s workspace function (``WORKSPACES``)."""
+
+    def register(fn: Callable[..., object]) -> Callable[..., object]:
+        WORKSPACES[f"{NAMESPACE}::{name}"] = fn
+        return fn
+
+    return register
+
+
 def on_cuda(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cuda" for t in tensors)
 

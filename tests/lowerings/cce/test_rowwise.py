@@ -140,7 +140,7 @@ def test_working_set_charges_the_saved_gradients():
     terms = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cuda"), (True, True, False))
     saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
     assert saved == 1024 * 768 * 2 + 50048 * 768 * 4  # ∂C has the padded classifier's rows (its first V returned)
-    assert terms["transient: the classifier and its bias, zero-padded to a multiple of 64 rows"] == 50048 * 769 * 2
+    assert terms["transient (forward): the classifier and its bias, zero-padded to a multiple of 64 rows"] == 50048 * 769 * 2
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
     row_vectors = rowwise.ROW_VECTOR_BYTES
     padded = 50048  # the classifier's rows padded to the next multiple of 64 above 50000
@@ -150,22 +150,22 @@ def test_working_set_charges_the_saved_gradients():
         rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cuda", in_place=True)
         share = 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors)
         assert rows % 64 == 0 and share // 2 < rows <= share * 5 // 4 + 64
-        in_place = "transient: one chunk of logits, turned into their gradient in place [rows, V]"
+        in_place = "transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"
         assert chunk == {in_place: rows * (padded * 2 + row_vectors)}
-    product = "transient: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
+    product = "transient (forward): a chunk's ∂C product [V, D] and its fp32 copy for the sum"
     assert (product in terms) == (not rowwise._accumulates_in_fp32("cuda"))
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.bfloat16, "cpu")
     per_row = 50000 * 2 + 50000 * 4 + row_vectors  # bf16 logits (not padded off CUDA) and their fp32 copy
     share = 1024 * 50000 * 2 // rowwise.FRACTION // per_row
     assert share < rowwise.MIN_CPU_LOSS_ROWS == rows  # off CUDA a loss-only chunk is at least that many rows
-    assert cpu["transient: one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
+    assert cpu["transient (forward): one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
     assert not any("zero-padded" in name for name in cpu)
     fp32 = rowwise.working_set(1024, 50000, 768, torch.float32, torch.device("cpu"), (True, True, False))
     rows = rowwise.chunk_rows(1024, 50000, torch.float32, "cpu", in_place=True, gradient_bytes=50000 * 768 * 4)
     assert fp32 == {  # fp32 logits become their gradient in place: no copy, no product to round
-        "transient: one chunk of logits, turned into their gradient in place [rows, V]": rows * (50000 * 4 + row_vectors),
+        "transient (forward): one chunk of logits, turned into their gradient in place [rows, V]": rows * (50000 * 4 + row_vectors),
         "saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward": (1024 + 50000) * 768 * 4,
     }
 
@@ -206,10 +206,10 @@ def test_chunk_may_grow_to_the_cast_gradient():
     assert rowwise.chunk_rows(8192, 256000, torch.bfloat16, "cuda", True, False, 0) == 1216  # no ∂C: the cap
     if rowwise.HAS_TRITON:
         terms = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, True, False))
-        chunk = terms["transient: one chunk of logits, turned into their gradient in place [rows, V]"]
+        chunk = terms["transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"]
         assert chunk == 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, "cuda", in_place=True) <= cast * 5 // 4
         no_weight = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, False, False))
-        assert no_weight["transient: one chunk of logits, turned into their gradient in place [rows, V]"] < chunk
+        assert no_weight["transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"] < chunk
 
 
 def test_chunk_beside_returned_logits_is_small():
