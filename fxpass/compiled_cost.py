@@ -478,8 +478,10 @@ def _peak(
             size = padded[node].output if node in padded else shared.get(node, _storage_bytes(node))
             # an extern kernel writes its results into fresh buffers, never in place of its inputs
             extern = _is_extern(node) or (node.target is operator.getitem and _is_extern(node.args[0]))
+            # (in the graph's order: a set's order follows the nodes' addresses, and differed between runs)
             donor = None if extern else next(
-                (b for b in reads[node] if b in live and last_use.get(b) == index and b not in kept
+                (b for b in sorted(reads[node], key=position.__getitem__)
+                 if b in live and last_use.get(b) == index and b not in kept
                  and (b.op != "placeholder" or b.name in donated)
                  and b.meta["val"].dtype == node.meta["val"].dtype and shapes.expr(live[b]) == shapes.expr(size)),
                 None,

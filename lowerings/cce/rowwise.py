@@ -391,10 +391,10 @@ def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, s
 def forward_workspace(device_type: str, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing,
                       softcap, need_hidden, need_weight, need_bias, return_logits=False, *_):
     """What the op allocates inside while it runs (``working_set``'s forward terms): its chunk of logits, the
-    classifier padded on CUDA, a chunk's ∂C product off CUDA. All of it dies before the op returns, so a
-    simulation charges it at the op alone: on the forward's peak it put the demo's simulated step 115 MiB above
-    what the H200 measured (`benchmarks/memory_model.py`), as the backward starts 500 MiB below at the
-    Llama-3.2-1B shape's head (`benchmarks/cce.py`)."""
+    classifier padded on CUDA, a chunk's ∂C product off CUDA. All of it dies before the op returns, beside the
+    results it writes, where the simulation charges it (``fxpass/compiled_cost.py``). Charged as the backward
+    starts instead, the op's record at the Llama-3.2-1B head (8192 × 128256 × 2048, bf16) said it freed 501 MiB
+    against torch.compile, where `benchmarks/cce.py` measured 1002 on the H200."""
     needs = (need_hidden, need_weight, need_bias and bias is not None)
     terms = working_set(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.dtype, torch.device(device_type),
                         needs, return_logits)

@@ -219,3 +219,25 @@ def test_each_result_of_a_several_result_kernel_is_a_buffer():
     assert holders["temporaries"].bytes == 3 * size, cost.backward_holders  # dQ, dK, dV
     # written while the kernel's inputs are alive, never in place of one: the peak is all that was saved, plus them
     assert cost.hints()["backward_peak"] == cost.hints()["saved"] + 3 * size + 4  # and the incoming gradient
+
+
+def test_the_results_of_a_split_are_views_of_one_buffer():
+    """q, k and v split from one projection are one storage, counted once wherever they are alive: in the forward
+    that reads them, and in the backward, where each is a saved tensor of its own. Each counted as a buffer of that
+    storage's size, they held the demo's simulated backward 132 MiB above its saved tensors
+    (`benchmarks/memory_model.py`)."""
+    x, w = torch.randn(256, 32), torch.randn(32, 96)
+
+    def attention(x, w):
+        q, k, v = (x @ w).split(32, dim=-1)
+        return ((q @ k.t()) @ v,)
+
+    projection, scores, out = 256 * 96 * 4, 256 * 256 * 4, 256 * 32 * 4
+    forward = compiled_cost.compiled_cost(fx.symbolic_trace(attention), [x, w])
+    assert forward.hints()["forward_peak"] == projection + scores + out  # at the second GEMM
+
+    w.requires_grad_(True)
+    cost = compiled_cost.compiled_cost(fx.symbolic_trace(attention), [x, w])
+    assert cost.hints()["saved"] == projection + scores
+    start = {h.kind: h.bytes for h in cost.start_holders}
+    assert start["saved for the backward"] == projection + scores
