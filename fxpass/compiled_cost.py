@@ -42,6 +42,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpass import shapes
+from lowerings._library import WORKSPACES
 
 log = logging.getLogger(__name__)
 
@@ -516,8 +517,7 @@ def _share_storages(
         if node in kept:
             kept.add(owner)
         buffers.discard(node)
-        size = sizes.get(owner, _storage_bytes(owner))
-        sizes[owner] = size if shapes.hint(size) >= shapes.hint(_storage_bytes(node)) else _storage_bytes(node)
+        sizes[owner] = max(sizes.get(owner, _storage_bytes(owner)), _storage_bytes(node), key=shapes.hint)
     return sizes
 
 
@@ -527,8 +527,6 @@ _INSIDE = "inside"  # the key of an op's workspace among a peak's buffers
 def _workspace(node: fx.Node, device_type: str) -> IntLike:
     """Bytes ``node``'s op allocates inside its kernels while it runs (``lowerings._library.WORKSPACES``), on
     ``device_type``'s implementation; 0 for every op that registers none."""
-    from lowerings._library import WORKSPACES
-
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return 0
