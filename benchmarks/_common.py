@@ -113,6 +113,22 @@ def peak_mib(step: Callable[[], object], device: torch.device) -> float:
     return peak / 2**20
 
 
+def recorded_peak(fn: Callable[[], object], device: torch.device, path: Path, top: int = 25) -> None:
+    """Run ``fn`` once on CUDA under the allocator's history and write what was alive at its peak to ``path``
+    (``peak_breakdown``): which generated kernel's buffers hold a step's peak, to set beside what memopt's
+    simulation says holds it."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        fn()
+        torch.cuda.synchronize(device)
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    path.write_text(peak_breakdown(trace, before, top=top) + "\n")
+
+
 def peak_breakdown(trace: list[dict], before: int, top: int = 15) -> str:
     """Where a recorded stretch of CUDA allocations peaked, and what was alive there, as text.
 

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import peak_breakdown, release_memory, set_up
+from benchmarks._common import recorded_peak, release_memory, set_up
 
 log = logging.getLogger("memory_model")
 
@@ -47,8 +47,9 @@ MIB = 1 << 20
 RULE_SETS = {"all": (), "cce": ("attention", "wta_crs"), "attention": ("cce", "wta_crs")}
 
 
-def build(name: str, layers: int, tiny: bool):
-    """An HF causal LM from its config (no download), ``layers`` blocks, its real vocabulary unless ``tiny``."""
+def build(name: str, layers: int, tiny: bool, seq: int = 1024):
+    """An HF causal LM from its config (no download), ``layers`` blocks, its real vocabulary unless ``tiny``; a name
+    this list lacks is one of ``benchmarks/zoo.py``'s families."""
     import transformers
 
     small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -69,6 +70,10 @@ def build(name: str, layers: int, tiny: bool):
             hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=16,
             vocab_size=32064)),
     }
+    if name not in families:  # the zoo's families (Granite, Starcoder2, ...) at their real widths
+        from benchmarks import zoo
+
+        return zoo.build_model(name, layers, tiny, seq=seq, device=torch.device("cpu"), dtype=torch.float32)
     config_class, model_class, sizes = families[name]
     config = config_class(**sizes, attn_implementation="sdpa" if name != "gpt2" else "eager")
     config.num_hidden_layers = layers
@@ -98,7 +103,7 @@ def measure(step, ids, backend, kept, device: torch.device, breakdown: Path | No
     """(bytes of the storages the compiled step saves for its backward, counted by a pack hook with ``kept`` and
     ``ids`` aside; on CUDA the step's peak bytes above what was allocated before it, warm). Fake tensors saved
     while compiling are no step's. ``breakdown``: where to write what was alive at the CUDA peak, by the line of
-    generated code that allocated it (``_common.peak_breakdown``)."""
+    generated code that allocated it (``_common.recorded_peak``)."""
     from torch._subclasses.fake_tensor import is_fake
 
     skip = {t.untyped_storage().data_ptr() for t in (*kept, ids)}
@@ -119,15 +124,12 @@ def measure(step, ids, backend, kept, device: torch.device, breakdown: Path | No
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    if breakdown is not None:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     compiled(ids).backward()
     torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
     if breakdown is not None:
-        trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
-        torch.cuda.memory._record_memory_history(enabled=None)
-        breakdown.write_text(peak_breakdown(trace, before, top=25) + "\n")
-    return sum(storages.values()), torch.cuda.max_memory_allocated(device) - before
+        recorded_peak(lambda: compiled(ids).backward(), device, breakdown)
+    return sum(storages.values()), peak
 
 
 def predicted_drop(explanation: fxpass.Explanation) -> int:
@@ -164,7 +166,7 @@ def run(name: str, args, device: torch.device) -> list[Row]:
         defaults_for = torch.device("cuda") if args.predict_only else None
         model, vocab, batch, seq, step = demo(device, args.tiny, defaults_for)
     else:
-        model = build(name, args.layers, args.tiny).to(device)
+        model = build(name, args.layers, args.tiny, args.seq).to(device)
         vocab, batch, seq, step = model.config.vocab_size, args.batch, args.seq, _loss_step(model)
 
     if args.precision == "bf16":

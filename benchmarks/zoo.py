@@ -55,6 +55,7 @@ from benchmarks._common import (
     header,
     in_turns,
     peak_mib,
+    recorded_peak,
     release_memory,
     set_up,
     write_report,
@@ -404,9 +405,11 @@ def record_rules(case: Case, reports: list) -> None:
             case.declined[rule] = " ".join(declined.split())
 
 
-def measure(case: Case, prepared: list[tuple[Run, Callable]], steps: int, device: torch.device) -> None:
+def measure(case: Case, prepared: list[tuple[Run, Callable]], steps: int, device: torch.device,
+            breakdown: Path | None = None) -> None:
     """The backends' steps in turns (``in_turns``), then each one's peak; a backend that fails leaves the
-    rotation with its error and the other is still measured."""
+    rotation with its error and the other is still measured. ``breakdown``: a folder for what was alive at each
+    backend's CUDA peak (``_common.recorded_peak``)."""
     calls = [timed(step, device) for _, step in prepared]
     for (run, step), (times, error) in zip(prepared, in_turns(steps, calls), strict=True):
         if error is not None:
@@ -415,6 +418,8 @@ def measure(case: Case, prepared: list[tuple[Run, Callable]], steps: int, device
         run.step_ms = statistics.median(times)
         try:
             run.peak_mib = peak_mib(step, device)
+            if breakdown is not None and device.type == "cuda":
+                recorded_peak(step, device, breakdown / f"peak-{case.family}-{case.mask}-{run.backend}.md")
         except Exception as failure:
             run.error = error_note(failure)
         log.info("%s %s %s: %.1f ms, peak %s MiB", case.family, case.mask, run.backend, run.step_ms,
@@ -465,7 +470,7 @@ def run_case(name: str, mask: str, args, device: torch.device, options: dict) ->
         prepared = [(run, step) for run, step in prepared if step is not None]  # no local keeps a model alive
         record_rules(case, reports)
         reports.clear()  # the reports hold their graph modules
-        measure(case, prepared, args.steps, device)
+        measure(case, prepared, args.steps, device, args.out if args.breakdown else None)
     except MissingFamily as missing:
         case.note = str(missing)
     finally:
@@ -571,6 +576,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--inner", default="inductor", help="compiler of both sides (aot_eager for a quick check)")
     parser.add_argument("--memopt-options", default="{}", help='memopt options as JSON; --tiny adds {"force": true}')
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--breakdown", action="store_true", help="CUDA: what is alive at each backend's peak, to --out")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     parser.add_argument("--render", type=Path, nargs="+", default=None,
                         help="no run: write zoo.md from these zoo.jsonl files (runs split across machine calls)")

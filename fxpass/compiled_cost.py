@@ -64,9 +64,8 @@ class CompiledCost:
     # step's caller holds them through the backward (``GraphReport.peaks``), a piece's consumer may not
     returned: IntLike = 0
     returned_largest: str = ""
-    # alive as the backward starts (saved tensors and incoming gradients), where a head's op runs first
-    backward_start: IntLike = 0
-    start_holders: tuple[Holding, ...] = ()
+    # the most an op of the piece allocates inside its kernels while it runs (``_workspace``), for the report
+    workspace: IntLike = 0
 
     @property
     def peak(self) -> IntLike:
@@ -162,9 +161,12 @@ def compiled_cost(
         aot_module_simplified(
             module, fresh, fw_compiler=forward_only, partition_fn=partition, decompositions=select_decomp_table(),
         )
+    device_type = "cuda" if gpu else "cpu"
     if "backward" not in graphs:  # nothing needs a gradient: nothing is saved
         peak, holders = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu)
-        return CompiledCost(0, _to_graph(peak, back, target_env), 0, forward_holders=holders)
+        inside = _largest_workspace([graphs["forward"]], device_type)
+        return CompiledCost(0, _to_graph(peak, back, target_env), 0, forward_holders=holders,
+                            workspace=_to_graph(inside, back, target_env))
     forward, backward = graphs["forward"], graphs["backward"]
     saved_nodes = _saved_nodes(forward, backward)
     primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]  # None for a SymInt input
@@ -193,18 +195,11 @@ def compiled_cost(
     pinned = {n.name for n in saved_nodes if _storage(n) in kept_by_caller and _storage(n) not in inputs}
     backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu,
                                             donated=donated, pinned=pinned)
-    at_start: dict[Any, IntLike] = {}
-    seen = set(held)
-    for node in backward.graph.find_nodes(op="placeholder"):
-        if _is_tensor(node) and _storage(node) not in seen:
-            seen.add(_storage(node))
-            at_start[node] = _storage_bytes(node)
-    start_holders = _holdings(backward, at_start, 0, backward=True)
+    inside = _largest_workspace([forward, backward], device_type)
     return CompiledCost(
         _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
         _to_graph(backward_peak, back, target_env), described, saved_inputs, forward_holders, backward_holders,
-        _to_graph(returned, back, target_env), returned_largest,
-        _to_graph(sum(at_start.values()), back, target_env), start_holders,
+        _to_graph(returned, back, target_env), returned_largest, _to_graph(inside, back, target_env),
     )
 
 
@@ -435,6 +430,8 @@ def _peak(
         buffers |= {n for n in gm.graph.find_nodes(op="placeholder") if _is_tensor(n)}
     nodes = list(gm.graph.nodes)
     reads: dict[fx.Node, set[fx.Node]] = {}  # the buffers a node's value is computed from, through fused nodes
+    # how a node's fused kernel reaches each of those buffers: the buffer itself or the views of it it reads
+    ways: dict[fx.Node, dict[fx.Node, set[fx.Node]]] = {}
     last_use: dict[fx.Node, int] = {}
     position = {node: index for index, node in enumerate(nodes)}
     # The copies of one tensor padded for several GEMMs come out of one fused kernel, run before the first of
@@ -445,9 +442,16 @@ def _peak(
             first_pad[source] = min(first_pad.get(source, position[gemm]), position[gemm])
     born: dict[int, list[tuple[tuple[str, str], IntLike]]] = {}
     for index, node in enumerate(nodes):
-        behind = set()
+        behind, access = set(), {}
         for arg in node.all_input_nodes:
-            behind |= {_root(arg)} if _root(arg) in buffers else reads.get(arg, set())
+            if _root(arg) in buffers:
+                behind.add(_root(arg))
+                access.setdefault(_root(arg), set()).add(arg)
+            else:
+                behind |= reads.get(arg, set())
+                for buffer, through in ways.get(arg, {}).items():
+                    access.setdefault(buffer, set()).update(through)
+        ways[node] = access
         if node in padded:  # reads its operands' padded copies, made where the first of them is
             for source, size in padded[node].operands:
                 behind.discard(source)
@@ -480,9 +484,13 @@ def _peak(
             # an extern kernel writes its results into fresh buffers, never in place of its inputs
             extern = _is_extern(node) or (node.target is operator.getitem and _is_extern(node.args[0]))
             # (in the graph's order: a set's order follows the nodes' addresses, and differed between runs)
+            # On a GPU Inductor writes in place only over an input its fused kernel reads at one index
+            # (``single_index_in_fused_node``): not over Phi-3's gate_up, read as its gate and its up halves
+            # by their gradients' kernel.
             donor = None if extern else next(
                 (b for b in sorted(reads[node], key=position.__getitem__)
                  if b in live and last_use.get(b) == index and b not in kept
+                 and not (gpu and len(ways[node].get(b, ())) > 1)
                  and (b.op != "placeholder" or b.name in donated)
                  and b.meta["val"].dtype == node.meta["val"].dtype and shapes.expr(live[b]) == shapes.expr(size)),
                 None,
@@ -539,6 +547,12 @@ def _workspace(node: fx.Node, device_type: str) -> IntLike:
 
     kwargs = {name: value(arg) for name, arg in node.kwargs.items()}
     return function(device_type, *[value(arg) for arg in node.args], **kwargs)
+
+
+def _largest_workspace(graphs: Sequence[fx.GraphModule], device_type: str) -> IntLike:
+    """The largest workspace of the graphs' ops (each is charged at its own node by ``_peak``)."""
+    sizes = [_workspace(node, device_type) for gm in graphs for node in gm.graph.nodes]
+    return max(sizes, key=shapes.hint, default=0)
 
 
 def _holdings(

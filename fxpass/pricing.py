@@ -5,7 +5,8 @@ The rewrite is tried on a copy of the graph, so the priced pieces are exactly wh
 it adds, for every rule and variant, with no list per pattern to keep in step with the rules. The inserted
 pieces call memopt's ops, whose autograd the partitioner traces like any other: what they save is read from
 the trace. What an op allocates inside its own kernels (a chunk of logits, an fp32 accumulator) is invisible to
-the partitioner; the op's memory model says it (its ``transient`` terms) and it is added to the backward.
+the partitioner; the op registers it (``lowerings._library.workspace``, its memory model's transient terms) and
+the simulation charges it at the op's own node, forward or backward.
 
 Pieces repeat across a model (one attention per layer), so costs are cached by the piece's code and its inputs'
 sizes and dtypes.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +29,6 @@ from fxpass.config import Config
 from fxpass.graph import current, example_value
 from fxpass.liveness import is_view
 from fxpass.report import INTERNAL
-from lowerings._library import FORWARD_TRANSIENT
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,6 @@ class Priced:
     peak: IntLike
     before: CompiledCost
     after: CompiledCost
-    internal: IntLike
 
     @property
     def transient(self) -> IntLike:
@@ -67,8 +66,8 @@ class Priced:
             **{f"{name}_hint": shapes.hint(value) for name, value in figures.items()},
             "torch.compile keeps": list(self.before.saved_tensors),
             "memopt keeps": list(self.after.saved_tensors),
-            INTERNAL: shapes.render(self.internal),
-            "internal_hint": shapes.hint(self.internal),
+            INTERNAL: shapes.render(self.after.workspace),
+            "internal_hint": shapes.hint(self.after.workspace),
         }
 
 
@@ -83,13 +82,10 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def price(
-    rule, candidate, config: Config, internal: IntLike = 0, context: Sequence[fx.Node] = ()
-) -> Priced:
+def price(rule, candidate, config: Config, context: Sequence[fx.Node] = ()) -> Priced:
     """Try ``rule``'s rewrite of ``candidate`` on a copy of its graph and price both sides (module docstring).
-    ``internal``: bytes the inserted ops allocate inside their kernels in the backward (their memory model's
-    transient terms). ``context``: nodes the rewrite leaves in place but whose fate decides what it frees (the
-    producers of a tensor torch.compile may save or recompute), priced on both sides."""
+    ``context``: nodes the rewrite leaves in place but whose fate decides what it frees (the producers of a
+    tensor torch.compile may save or recompute), priced on both sides."""
     from fxpass.rewrite import copy_graph
 
     graph = candidate.anchor.graph
@@ -106,25 +102,12 @@ def price(
     after_nodes = [n for n in trial.graph.nodes if (n not in kept or n in around_copies) and n.op.startswith("call_")]
     before = _cost(before_nodes, config.assume_device)
     after = _cost(after_nodes, config.assume_device)
-    after = dataclasses.replace(after, backward_peak=after.backward_peak + internal)
-    return Priced(before.saved - after.saved, held_peak(before) - held_peak(after), before, after, internal)
+    return Priced(before.saved - after.saved, held_peak(before) - held_peak(after), before, after)
 
 
 def held_peak(cost: CompiledCost) -> IntLike:
     """A piece's peak with what it returns to the caller held through its backward."""
     return torch.sym_max(cost.forward_peak, cost.backward_peak + cost.returned)
-
-
-def internal_bytes(terms: Mapping[str, IntLike]) -> IntLike:
-    """The transient terms of an op's memory model: what it allocates inside its kernels in the backward. Those
-    labelled ``FORWARD_TRANSIENT`` (the row-wise CCE's chunk of logits and padded classifier: it does its work
-    in the forward) are not: the simulation charges them at the op's own node in the forward, from the op's
-    registered workspace (``lowerings._library.workspace``)."""
-    total: IntLike = 0
-    for label, value in terms.items():
-        if label.startswith("transient") and not label.startswith(FORWARD_TRANSIENT):
-            total = total + value
-    return total
 
 
 def _cost(nodes: list[fx.Node], device: str | None = None) -> CompiledCost:

@@ -60,7 +60,7 @@ def error_note(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:160]}"
 
 
-INTERNAL = "memopt's ops inside their kernels (backward)"
+INTERNAL = "memopt's ops inside their kernels (the largest)"
 
 
 @dataclasses.dataclass
@@ -99,29 +99,16 @@ class GraphReport:
 
     def _phases(self, name: str) -> list[tuple[int, str, list[Holding]]]:
         """The candidates for ``name``'s peak: (bytes, where, what holds them). The tensors the graph returns (a
-        model's logits) are held by the caller through the backward. memopt's ops allocate buffers inside their
-        kernels, which the partitioner cannot see: the largest of them is charged as the backward starts, where
-        the head's op runs first (charged on top of the backward's own peak, it put Mixtral's 2-block step,
-        which peaks in the experts' gradients, above torch.compile's)."""
+        model's logits) are held by the caller through the backward. What memopt's ops allocate inside their
+        kernels is charged at each op's own node (``compiled_cost._workspace``)."""
         cost = self.step[name]
         hints = cost.hints()
         returned = shapes.hint(cost.returned)
         given = [Holding("returned to the caller", returned, cost.returned_largest)] if returned else []
-        phases = [
+        return [
             (hints["forward_peak"], "forward", list(cost.forward_holders)),
             (hints["backward_peak"] + returned, "backward", [*cost.backward_holders, *given]),
         ]
-        internal = self._internal_hint() if name == "memopt" else 0
-        if internal:
-            inside = Holding("inside memopt's kernels (the largest op's)", internal, "")
-            phases.append((shapes.hint(cost.backward_start) + returned + internal, "backward's start",
-                           [*cost.start_holders, *given, inside]))
-        return phases
-
-    def _internal_hint(self) -> int:
-        """The largest buffer memopt's applied ops allocate inside their kernels."""
-        return max((r.against_compile.get("internal_hint", 0) for r in self.applied if r.against_compile),
-                   default=0)
 
     def at_peak(self, name: str) -> str | None:
         """Where ``name``'s ("torch.compile" or "memopt") simulated peak is and what holds it, one line: names
@@ -191,7 +178,7 @@ class GraphReport:
                 parts.append(f"  - saved for the backward: `{c['saved']}`; transient: `{c['transient']}`")
                 parts.append(f"  - torch.compile keeps: {', '.join(c['torch.compile keeps']) or 'nothing'}")
                 parts.append(f"  - memopt keeps: {', '.join(c['memopt keeps']) or 'nothing'}")
-                parts.append(f"  - memopt's ops inside their kernels (backward): `{c[INTERNAL]}`")
+                parts.append(f"  - {INTERNAL}: `{c[INTERNAL]}`")
             if r.memory:
                 parts.append("- the graph as written (eager's accounting):")
             for side in ("before", "after"):

@@ -112,9 +112,8 @@ def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) 
     def priced_under(trial: Config) -> tuple[Decision, pricing.Priced]:
         if trial not in trials:
             taken = decision if trial == config else rule.decide(candidate, trial)
-            internal = pricing.internal_bytes(taken.memory.after)
             context = rule.context(candidate) if rule.context is not None else ()
-            trials[trial] = taken, pricing.price(rule, candidate, trial, internal, context)
+            trials[trial] = taken, pricing.price(rule, candidate, trial, context)
         return trials[trial]
 
     try:

@@ -13,7 +13,7 @@ import functools
 import importlib.util
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch._guards
@@ -47,8 +47,6 @@ def reference_op(name: str) -> Callable[[Callable], torch.library.CustomOpDef]:
 # of symbolic sizes, constants) and returns bytes, an int or a SymInt.
 WORKSPACES: dict[str, Callable[..., object]] = {}
 
-# The label of an op's memory-model term (``working_set``) allocated in the forward while the op runs there.
-FORWARD_TRANSIENT = "transient (forward)"
 
 
 def workspace(name: str) -> Callable[[Callable[..., object]], Callable[..., object]]:
@@ -59,6 +57,12 @@ def workspace(name: str) -> Callable[[Callable[..., object]], Callable[..., obje
         return fn
 
     return register
+
+
+def transient_bytes(terms: Mapping[str, object]) -> object:
+    """The sum of a memory model's (``working_set``'s) transient terms: what an op allocates inside its kernels
+    and frees before it returns. An op's workspace function is this sum over the terms of the pass it runs."""
+    return sum((value for label, value in terms.items() if label.startswith("transient")), start=0)
 
 
 def on_cuda(*tensors: torch.Tensor) -> bool:

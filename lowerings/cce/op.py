@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from lowerings import precompile
-from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op, transient_bytes, workspace
 from lowerings.cce import reference
 
 if HAS_TRITON:
@@ -130,6 +130,28 @@ def cce_backward_rows(
         hidden, weight, bias, targets, lse, grad_rows, grad_lse, ignore_index, label_smoothing, softcap, needs,
         grad_logits, scale, logits_transformed,
     )
+
+
+# The workspaces of the two opaque ops that ``memopt.cce`` (and ``memopt.cce_with_logits``'s backward) run: the
+# traced graph shows these, not ``memopt.cce``, whose body is traced through (its CUDA forward's Triton kernels and
+# their buffers are nodes of that graph). A graph traced on CPU tensors and priced for a GPU (``assume_device``)
+# shows the reference forward, charged then as the CUDA kernels allocate.
+@workspace("cce_rows_reference")
+def forward_workspace(device_type: str, hidden, weight, *_, **__):
+    """The reference forward's chunk of logits (within the chunk budget it shares with the backward); the CUDA
+    kernels keep per-row statistics only."""
+    if device_type == "cuda":
+        return 0
+    return reference.chunk_budget(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.dtype)
+
+
+@workspace("cce_backward_rows")
+def backward_workspace(device_type: str, hidden, weight, *_, **__):
+    """``working_set``'s transient terms for ``device_type``: the column chunk of logit gradients and the
+    compensation of the hidden-state gradient sum on CUDA, the reference's chunk and its fp32 weight-gradient
+    accumulator off CUDA."""
+    terms = working_set(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.dtype, torch.device(device_type))
+    return transient_bytes(terms)
 
 
 @cce_backward_rows.register_fake

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from lowerings import precompile
-from lowerings._library import FORWARD_TRANSIENT, HAS_TRITON, reference_op, tracing, workspace
+from lowerings._library import HAS_TRITON, reference_op, tracing, transient_bytes, workspace
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs
 
@@ -193,23 +193,23 @@ def working_set(
     rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
     terms: dict[str, object] = {}
     if in_place:
-        terms[f"{FORWARD_TRANSIENT}: one chunk of logits, turned into their gradient in place [rows, V]"] = (
+        terms["transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"] = (
             rows * chunk_bytes_per_row(vocab, dtype, device.type, in_place=True)
         )
     else:
-        terms[f"{FORWARD_TRANSIENT}: one chunk of logits and their fp32 copy [rows, V]"] = (
+        terms["transient (forward): one chunk of logits and their fp32 copy [rows, V]"] = (
             rows * chunk_bytes_per_row(vocab, dtype, device.type)
         )
     if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
-        product = f"{FORWARD_TRANSIENT}: a chunk's ∂C product [V, D] and its fp32 copy for the sum"
+        product = "transient (forward): a chunk's ∂C product [V, D] and its fp32 copy for the sum"
         terms[product] = vocab * dim * (dtype.itemsize + acc)
     width = padded_vocab(vocab, device.type)
     if device.type == "cuda" and not (isinstance(vocab, int) and width == vocab):  # (a symbolic one is charged)
-        terms[f"{FORWARD_TRANSIENT}: the classifier and its bias, zero-padded to a multiple of 64 rows"] = (
+        terms["transient (forward): the classifier and its bias, zero-padded to a multiple of 64 rows"] = (
             width * (dim + 1) * dtype.itemsize
         )
     if need_bias and _kernel_serves(device.type, dtype):
-        terms[f"{FORWARD_TRANSIENT}: a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
+        terms["transient (forward): a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * acc if need_bias else 0)
     if need_weight and weight_grad_dtype == reference.compute_dtype(dtype):
         terms["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] = saved
@@ -390,7 +390,7 @@ def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, s
 @workspace("cce_rowwise")
 def forward_workspace(device_type: str, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing,
                       softcap, need_hidden, need_weight, need_bias, return_logits=False, *_):
-    """What the op allocates inside while it runs (``working_set``'s forward terms): its chunk of logits, the
+    """What the op allocates inside while it runs (``working_set``'s transient terms): its chunk of logits, the
     classifier padded on CUDA, a chunk's ∂C product off CUDA. All of it dies before the op returns, beside the
     results it writes, where the simulation charges it (``fxpass/compiled_cost.py``). Charged as the backward
     starts instead, the op's record at the Llama-3.2-1B head (8192 × 128256 × 2048, bf16) said it freed 501 MiB
@@ -398,7 +398,7 @@ def forward_workspace(device_type: str, hidden, weight, bias, targets, ignore_in
     needs = (need_hidden, need_weight, need_bias and bias is not None)
     terms = working_set(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.dtype, torch.device(device_type),
                         needs, return_logits)
-    return sum(value for label, value in terms.items() if label.startswith(FORWARD_TRANSIENT))
+    return transient_bytes(terms)
 
 
 if HAS_TRITON:

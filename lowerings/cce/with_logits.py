@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from lowerings import precompile
-from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op, workspace
 from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs, _reduce, input_gradients, save_for_backward
 from lowerings.cce.rowwise import padded_rows
@@ -104,7 +104,19 @@ def cce_rows_from_logits(
         losses[rows], lse[rows], _ = reference.row_terms_(
             z, targets[rows], ignore_index, label_smoothing, softcap, scale
         )
+        del z  # before the next chunk's: two alive at once doubled the op's workspace
     return losses, lse
+
+
+@workspace("cce_rows_from_logits")
+def rows_from_logits_workspace(device_type: str, logits, targets, ignore_index, label_smoothing, softcap, *_):
+    """One chunk of rows in the compute dtype: the loss of ``memopt.cce_with_logits`` off CUDA (on CUDA Inductor
+    fuses the upcast into the log-sum-exp's reduction, in the traced body: nothing is charged for a GPU)."""
+    if device_type == "cuda":
+        return 0
+    n_rows, vocab = logits.shape
+    rows = reference.chunk_rows(vocab, n_rows, 0, logits.dtype, softcap=softcap is not None)
+    return rows * vocab * reference.compute_dtype(logits.dtype).itemsize
 
 
 @cce_rows_from_logits.register_fake

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, device_op, on_cuda, reference_op, transient_bytes, workspace
 from lowerings.flash_attention import reference
 
 if HAS_TRITON:
@@ -98,6 +98,35 @@ def flash_attention_reference(
     dropout_p: float, seed: torch.Tensor, softcap: float | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.forward(q, k, v, bias, scale, causal, dropout_p, int(seed.item()), softcap, window)
+
+
+# The workspaces of the reference ops that ``memopt.flash_attention`` runs off CUDA: the traced graph shows these.
+# On CUDA the op's body is traced through and its Triton kernels' buffers are nodes of that graph; a graph traced
+# on CPU tensors but priced for a GPU (``assume_device="cuda"``, a laptop's prediction) shows the reference ops,
+# charged then with what the CUDA kernels allocate.
+def _reference_workspace(device_type: str, q, k) -> object:
+    """Off CUDA the reference's block of scores (and, for 16-bit inputs, k, v and their gradients in fp32); on
+    CUDA nothing: a tile of scores lives in registers."""
+    if device_type == "cuda":
+        return 0
+    batch, heads, queries, head_dim = q.shape
+    return transient_bytes(working_set(batch, heads, queries, k.shape[-2], torch.device("cpu"), dtype=q.dtype,
+                                       head_dim=head_dim, kv_heads=k.shape[-3]))
+
+
+@workspace("flash_attention_reference")
+def forward_workspace(device_type: str, q, k, *_, **__):
+    return _reference_workspace(device_type, q, k)
+
+
+@workspace("flash_attention_backward_reference")
+def backward_workspace(device_type: str, q, k, v, bias, out, lse, grad_out, scale, causal, dropout_p, seed,
+                       bias_grad=False, *_, **__):
+    """The block (on CUDA the fp32 row sums of dO·O [B, Hq, Tq]), and for a bias that wants its gradient the
+    full fp32 dS summed into it."""
+    rows = q.shape[0] * q.shape[1] * q.shape[2]
+    scores = rows * k.shape[-2] * 4 if bias_grad else 0
+    return (rows * 4 if device_type == "cuda" else _reference_workspace(device_type, q, k)) + scores
 
 
 @flash_attention_reference.register_fake

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lowerings._library import reference_op
+from lowerings._library import reference_op, workspace
 from lowerings.flash_attention.reference import compute_dtype
 
 # Scores, their slope and their gradient for one chunk of flagged rows stay within this many bytes.
@@ -44,6 +44,12 @@ def _groups(q: torch.Tensor, k: torch.Tensor) -> int:
 def _flags(rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The flags as a [B, 1, Tq, 1] boolean view."""
     return rows.expand(q.shape[0], 1, q.shape[2], 1)
+
+
+@workspace("flash_attention_uniform_rows_backward")
+def backward_workspace(device_type: str, q, k, *_, **__):
+    """Those rows' scores through the softcap, a chunk at a time (``backward_bytes``), on every device."""
+    return backward_bytes(q.shape[1], q.shape[2], k.shape[2])
 
 
 @reference_op("flash_attention_uniform_rows")

@@ -384,7 +384,7 @@ class TestRenderings:
         assert "  - saved for the backward: `1024`; transient: `-8`" in markdown
         assert "  - torch.compile keeps: mm: [4, 64] bfloat16" in markdown
         assert "  - memopt keeps: nothing" in markdown
-        assert "  - memopt's ops inside their kernels (backward): `256`" in markdown
+        assert "  - memopt's ops inside their kernels (the largest): `256`" in markdown
 
     def test_markdown_diff(self):
         markdown = GraphReport("0/0", [], before="x = 1\ny = f(x)\n", after="x = 1\ny = g(x)\n").to_markdown()
