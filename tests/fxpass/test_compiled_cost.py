@@ -241,3 +241,22 @@ def test_the_results_of_a_split_are_views_of_one_buffer():
     assert cost.hints()["saved"] == projection + scores
     at_peak = {h.kind: h.bytes for h in cost.backward_holders}
     assert at_peak["saved for the backward"] == projection, cost.backward_holders  # q, k and v: one buffer
+
+
+def test_on_a_gpu_a_kernel_reading_an_input_at_two_indices_does_not_write_over_it():
+    """A gated MLP's backward reads the saved gate_up projection as its gate half and its up half, and writes
+    their gradients as one [N, 2F] buffer of the projection's size. Inductor's CPU kernels write it over the
+    dying projection; on a GPU Inductor writes in place only over an input read at one index
+    (``single_index_in_fused_node``), so the gradient is a fresh buffer: what held Phi-3's peak on the H100
+    (`benchmarks/results/memory-model-peak-llama-phi3-h100-2026-12-05.md`)."""
+    x, w = torch.randn(256, 64), torch.randn(64, 256, requires_grad=True)
+
+    def mlp(x, w):
+        gate, up = (x @ w).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up,)
+
+    projection = 256 * 256 * 4
+    cpu = compiled_cost.compiled_cost(fx.symbolic_trace(mlp), [x, w])
+    gpu = compiled_cost.compiled_cost(fx.symbolic_trace(mlp), [x, w], device="cuda")
+    assert cpu.hints()["backward_peak"] == projection + projection // 2  # the projection and the incoming gradient
+    assert gpu.hints()["backward_peak"] == cpu.hints()["backward_peak"] + projection
