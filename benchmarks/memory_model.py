@@ -7,7 +7,7 @@ rule, side by side in one process.
     python benchmarks/memory_model.py --predict-only --device cpu --per-rule gpt2     # a laptop's GPU prediction
 
 For each model (a loss-only training step, ``model(ids, labels=ids).loss``, bf16 weights on CUDA; "demo" is the
-README demo's GPT at its defaults):
+README demo's GPT at its defaults; Granite and Starcoder2 are built as ``benchmarks/zoo.py`` builds them):
 - **saved bytes**: ``fxpass.explain(step)``'s prediction of what the compiled forward keeps for the backward,
   whole step, under torch.compile and under memopt, before the step runs, against the bytes the compiled steps
   save (every saved tensor's storage, counted by a pack hook; parameters and inputs aside). Target: ±10 % (or
@@ -250,7 +250,7 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="demo,gpt2,llama-1b,qwen3,mistral,phi3")
+    parser.add_argument("--models", default="demo,gpt2,llama-1b,qwen3,mistral,phi3,granite,starcoder2")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
