@@ -206,9 +206,8 @@ def compiled_cost(
 def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None) -> dict[str, Any]:
     """A whole captured graph priced as torch.compile runs it, as Dynamo captured it and as memopt rewrote it:
     ``{"torch.compile": CompiledCost, "memopt": CompiledCost}``, or ``{"error": why}`` where the partitioner
-    cannot take it. Placeholders are fed their example values. memopt's ops' own kernel buffers are not in
-    these figures (the records' ``against_compile`` has them per rewrite). ``device``: as for
-    ``compiled_cost``."""
+    cannot take it. Placeholders are fed their example values; memopt's ops' own kernel buffers are charged at
+    their nodes (``_workspace``). ``device``: as for ``compiled_cost``."""
     costs: dict[str, Any] = {}
     try:
         for name, gm in (("torch.compile", original), ("memopt", rewritten)):
