@@ -163,10 +163,10 @@ def compiled_cost(
         )
     device_type = "cuda" if gpu else "cpu"
     if "backward" not in graphs:  # nothing needs a gradient: nothing is saved
-        peak, holders = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu)
-        inside = _largest_workspace([graphs["forward"]], device_type)
+        inside = _workspaces(graphs["forward"], device_type)
+        peak, holders = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu, inside=inside)
         return CompiledCost(0, _to_graph(peak, back, target_env), 0, forward_holders=holders,
-                            workspace=_to_graph(inside, back, target_env))
+                            workspace=_to_graph(_largest(inside), back, target_env))
     forward, backward = graphs["forward"], graphs["backward"]
     saved_nodes = _saved_nodes(forward, backward)
     primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]  # None for a SymInt input
@@ -181,7 +181,8 @@ def compiled_cost(
     returned_largest = _describe(max(results, key=lambda n: shapes.hint(_storage_bytes(n)))) if results else ""
     described = tuple(_describe(n) for n in saved_nodes if _storage(n) not in inputs)
     saved_inputs = frozenset(index_of[_storage(n)] for n in saved_nodes if _storage(n) in inputs)
-    forward_peak, forward_holders = _peak(forward, inputs, outputs_from=outputs, gpu=gpu)
+    forward_inside, backward_inside = _workspaces(forward, device_type), _workspaces(backward, device_type)
+    forward_peak, forward_holders = _peak(forward, inputs, outputs_from=outputs, gpu=gpu, inside=forward_inside)
     # In the backward the saved activations and incoming gradients are alive from its start and die at their last
     # use; the forward's inputs are not counted. Inductor writes in place into a saved buffer AOTAutograd donates
     # to the backward: one neither an input nor given to the caller (which holds it), never an incoming gradient
@@ -194,12 +195,12 @@ def compiled_cost(
     # what the caller holds stays alive through the whole backward, past its last use there
     pinned = {n.name for n in saved_nodes if _storage(n) in kept_by_caller and _storage(n) not in inputs}
     backward_peak, backward_holders = _peak(backward, held, outputs_from=0, live_from_start=True, gpu=gpu,
-                                            donated=donated, pinned=pinned)
-    inside = _largest_workspace([forward, backward], device_type)
+                                            donated=donated, pinned=pinned, inside=backward_inside)
     return CompiledCost(
         _to_graph(saved, back, target_env), _to_graph(forward_peak, back, target_env),
         _to_graph(backward_peak, back, target_env), described, saved_inputs, forward_holders, backward_holders,
-        _to_graph(returned, back, target_env), returned_largest, _to_graph(inside, back, target_env),
+        _to_graph(returned, back, target_env), returned_largest,
+        _to_graph(_largest({**forward_inside, **backward_inside}), back, target_env),
     )
 
 
@@ -413,7 +414,7 @@ def _buffers(gm: fx.GraphModule, outputs_from: int) -> set[fx.Node]:
 
 def _peak(
     gm: fx.GraphModule, held: set, outputs_from: int, live_from_start: bool = False, gpu: bool = False,
-    donated: set[str] = frozenset(), pinned: set[str] = frozenset(),
+    donated: set[str] = frozenset(), pinned: set[str] = frozenset(), inside: dict[fx.Node, IntLike] | None = None,
 ) -> tuple[IntLike, tuple[Holding, ...]]:
     """The most bytes alive at once in ``gm``'s buffers (``_buffers``), storages in ``held`` (its inputs) not
     counted, and what holds them there (``_holdings``). A fused kernel runs where its result is materialized and
@@ -422,7 +423,8 @@ def _peak(
     buffer reuse does. Sizes are compared on their hints; the figure at the highest point is returned as an
     expression. On a GPU (``gpu``) a GEMM Inductor pads reads padded copies of its operands instead
     (``_padded_gemms``). Of the graph's inputs, only those named in ``donated`` are written in place; those
-    named in ``pinned`` live to the end (the caller holds them)."""
+    named in ``pinned`` live to the end (the caller holds them). ``inside``: the workspaces of ``gm``'s ops
+    (``_workspaces``), each alive beside that op's results."""
     buffers = _buffers(gm, outputs_from)
     padded = _padded_gemms(gm) if gpu else {}
     if live_from_start:
@@ -468,10 +470,9 @@ def _peak(
     shared = _share_storages(nodes, buffers, last_use, kept, position)
     # An op's workspace is alive beside its results (buffers born at its getitems, right after it)
     workspaces: dict[int, tuple[IntLike, str]] = {}
-    for node in nodes:
-        if shapes.hint(inside := _workspace(node, "cuda" if gpu else "cpu")):
-            results = [position[u] for u in node.users if u.target is operator.getitem]
-            workspaces[max(results, default=position[node])] = (inside, node.name)
+    for node, size in (inside or {}).items():
+        results = [position[u] for u in node.users if u.target is operator.getitem]
+        workspaces[max(results, default=position[node])] = (size, node.name)
     live: dict[Any, IntLike] = {}
     best: IntLike = 0
     at_best: dict[Any, IntLike] = {}
@@ -495,10 +496,10 @@ def _peak(
                 None,
             )
             live[node] = live.pop(donor) if donor is not None else size
-        inside, op = workspaces.get(index, (0, None))
-        current: IntLike = sum(live.values()) + inside
+        working, op = workspaces.get(index, (0, None))
+        current: IntLike = sum(live.values()) + working
         if shapes.hint(current) > shapes.hint(best):
-            best, at_best = current, {**live, (_INSIDE, op): inside} if op is not None else dict(live)
+            best, at_best = current, {**live, (_INSIDE, op): working} if op is not None else dict(live)
         for dead in [b for b in live if last_use.get(b, index) <= index and b not in kept]:
             del live[dead]
     return best, _holdings(gm, at_best, outputs_from, backward=live_from_start)
@@ -548,10 +549,14 @@ def _workspace(node: fx.Node, device_type: str) -> IntLike:
     return function(device_type, *[value(arg) for arg in node.args], **kwargs)
 
 
-def _largest_workspace(graphs: Sequence[fx.GraphModule], device_type: str) -> IntLike:
-    """The largest workspace of the graphs' ops (each is charged at its own node by ``_peak``)."""
-    sizes = [_workspace(node, device_type) for gm in graphs for node in gm.graph.nodes]
-    return max(sizes, key=shapes.hint, default=0)
+def _workspaces(gm: fx.GraphModule, device_type: str) -> dict[fx.Node, IntLike]:
+    """The ops of ``gm`` that allocate inside their kernels (``_workspace``), with those bytes: evaluated once
+    per graph, for ``_peak`` and for the largest the report shows."""
+    return {node: size for node in gm.graph.nodes if shapes.hint(size := _workspace(node, device_type))}
+
+
+def _largest(sizes: dict[fx.Node, IntLike]) -> IntLike:
+    return max(sizes.values(), key=shapes.hint, default=0)
 
 
 def _holdings(
