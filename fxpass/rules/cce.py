@@ -789,8 +789,8 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     "auto" takes the row-wise variant where it may serve the loss and still frees at least 3/4 of what the
     chunked one frees: a quarter of the FLOPs for at most a quarter of
     the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Where the graph also returns the logits, the
-    chunked side is the detached ``cce_with_logits``, which "auto" takes on CUDA (see below) unless the head is
-    alone in its graph (``_head_alone``); off CUDA the row-wise op serves returned logits under the same 3/4 rule
+    chunked side is the detached ``cce_with_logits``, which "auto" takes on CUDA (see below) unless the graph is
+    head-heavy (``_head_heavy``); off CUDA the row-wise op serves returned logits under the same 3/4 rule
     (``RETURNED_LOGITS_OFF_CUDA``). Returns an empty reason where there was nothing to weigh."""
     if config.cce_variant == "chunked":
         return "chunked", ""
@@ -804,12 +804,12 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     # Returned logits: the wrapper carries their gradient (else _rowwise_blocker declined above).
     if candidate.returns_logits and device.type == "cuda":
-        alone = _head_alone(candidate.classifier)
-        if alone:
-            return "rowwise", alone
+        heavy = _head_heavy(candidate.classifier)
+        if heavy:
+            return "rowwise", heavy
         # The loss ends the forward, so what the op keeps for the backward sits on the step's peak, beside the
-        # returned logits and every activation: measured on the H200, GPT-2 small 0.60× torch.compile's peak
-        # (row-wise: 0.62×) and the Llama-3.2-1B shape 0.80× (0.88×), both below torch.compile's time.
+        # returned logits and every activation: measured on the H200, the Llama-3.2-1B shape 0.80× torch.compile's
+        # peak (row-wise: 0.88×), below torch.compile's time.
         held = shapes.format_bytes(shapes.hint(chunked - rowwise))
         return "chunked", (
             f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "
@@ -850,26 +850,27 @@ def choose(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | 
 
 
 def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | None:
-    """Returned logits on CUDA are decided on time (``_head_alone``), as long as the row-wise op frees memory
+    """Returned logits on CUDA are decided on time (``_head_heavy``), as long as the row-wise op frees memory
     against torch.compile at all: it returns logits it does not save and keeps ∂C in fp32 beside them, where
-    torch.compile returns the logits it saves. Time comes first here because ``cce_with_logits``' extra GEMM is most
-    of a head-heavy graph's cost: in 2-block models at real widths (`benchmarks/zoo.py`, H200) the families it
-    served ran at 1.19-1.44x torch.compile's step time, those the row-wise op served at 0.92-0.98x."""
-    alone = _head_alone(candidate.classifier)
-    if not alone:
+    torch.compile returns the logits it saves. Time comes first here because ``cce_with_logits``' extra GEMM is a
+    large part of a head-heavy graph's cost: in 2-block models at real widths (`benchmarks/zoo.py`, H200) whose
+    head outweighs the blocks, the families it served ran at 1.19-1.44x torch.compile's step time, those the
+    row-wise op served at 0.92-0.98x."""
+    heavy = _head_heavy(candidate.classifier)
+    if not heavy:
         return None  # cce_with_logits (``choose_variant``)
     rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
     if shapes.clears(rowwise, config.min_saved_bytes).pays:
         return None
     chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
     return dataclasses.replace(config, cce_variant="chunked"), (
-        f"{alone}; but the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile (it "
+        f"{heavy}; but the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile (it "
         f"keeps ∂C and returns logits it does not save, where torch.compile returns the logits it saves) and "
         f"cce_with_logits {shapes.format_bytes(shapes.hint(chunked))}: cce_with_logits serves them"
     )
 
 
-# Matmuls counted by ``_head_alone``, with the position of their left operand (``addmm`` takes a bias first).
+# Matmuls counted by ``_head_heavy``, with the position of their left operand (``addmm`` takes a bias first).
 _MATMULS: tuple[tuple[tuple[Any, ...], int], ...] = (
     ((*LINEAR_TARGETS, *MATMUL_TARGETS, torch.bmm), 0),
     ((*ADDMM_TARGETS, torch.baddbmm), 1),
@@ -897,22 +898,32 @@ def _graphs_of(graph: fx.Graph) -> list[fx.Graph]:
     return [graph, *bodies]
 
 
-def _head_alone(classifier: fx.Node) -> str:
-    """Why the row-wise op should serve returned logits here, or "": where the graph's other matmuls do less work
-    than the classifier (FSDP2's per-block frames leave head and loss in a graph of their own), little else in
-    the graph runs beside the detached op's extra 2·N·D·V GEMM: FSDP2 at the Llama-3.2-1B shape took 1.05×
-    torch.compile's step time with it (`benchmarks/e2e.py --flows fsdp`), the op alone 1.52× and the row-wise one
-    1.04×."""
+def _head_heavy(classifier: fx.Node) -> str:
+    """Why the row-wise op should serve returned logits on CUDA, or "": where the graph's other matmuls do at most
+    ``HEAD_SHARE`` times the classifier's work, the detached ``cce_with_logits``' extra 2·N·D·V GEMM adds at least
+    1/12 of the step's matmul work (forward and backward: three times the forward's), more than memopt's other
+    savings give back. Measured on the H100 (`benchmarks/zoo.py`, 2 blocks, 8 × 1024 tokens): Granite, Phi-3 and
+    Starcoder2 (other matmuls 1.2-2.3× the classifier's) took 1.04-1.11× torch.compile's step time with
+    ``cce_with_logits``, 0.90-0.94× with the row-wise op, whose peak was 0.01-0.07 of torch.compile's higher. FSDP2's
+    per-block frames leave the head alone in its graph: the op alone 1.52×, the row-wise one 1.04×
+    (`benchmarks/e2e.py --flows fsdp`). Past that share, ``cce_with_logits``' lower peak costs no time against
+    torch.compile: the Llama-3.2-1B shape's 16 blocks (other matmuls 3.7× the classifier's) at 0.80× its peak and
+    0.93× its time (`benchmarks/e2e.py --flows whole_model`)."""
     head = _matmul_flops(classifier)
     rest = sum(_matmul_flops(node) for graph in _graphs_of(classifier.graph) for node in graph.nodes
                if node is not classifier)
-    if head == 0 or rest >= head:
+    if head == 0 or rest > HEAD_SHARE * head:
         return ""
     return (
-        f"returned logits, the head alone in its graph (its other matmuls {rest:.2g} FLOPs against the "
-        f"classifier's {head:.2g}): the detached cce_with_logits' extra 2·N·D·V GEMM would be most of the "
-        "graph's time, so the row-wise op (6·N·D·V) serves it"
+        f"returned logits of a head-heavy graph (its other matmuls {rest:.2g} FLOPs, at most {HEAD_SHARE}× the "
+        f"classifier's {head:.2g}): the detached cce_with_logits' extra 2·N·D·V GEMM would add at least 1/12 of "
+        "the step's matmul work, so the row-wise op (6·N·D·V, as torch.compile's head) serves it"
     )
+
+
+# The most the graph's other matmuls may weigh against the classifier for the row-wise op to serve returned logits
+# on CUDA (``_head_heavy``): 3, where cce_with_logits' extra GEMM is 1/12 of the step's matmul work.
+HEAD_SHARE = 3
 
 
 def _wrapper_carries_logits(candidate: CceMatch) -> bool:

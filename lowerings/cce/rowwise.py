@@ -409,6 +409,10 @@ if HAS_TRITON:
         """The chunk kernel at each chunk height the op's loop takes on CUDA (the last may be shorter). Its
         backward's scaling is traced, hence Inductor's to compile."""
         n_rows, vocab = hidden.shape[0], weight.shape[0]
+        acc = reference.compute_dtype(hidden.dtype)
+        for needed, leaf in ((need_weight, weight), (need_bias, bias)):  # the backward's ``scaled_cast``
+            if needed and leaf is not None and leaf.dtype.itemsize < acc.itemsize:
+                scaled_copy(leaf.new_empty(leaf.shape, dtype=acc), leaf.new_empty((), dtype=acc), leaf.dtype)
         if not n_rows or not _kernel_serves("cuda", hidden.dtype):
             return
         step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, "cuda")
@@ -436,11 +440,55 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _scaled(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saved · grad_loss`` rounded once to ``dtype``, in one pass (an fp32 product then a cast would write
-    and read ∂C's fp32 size once more: 1 GiB at V = 128256, D = 2048). Traced, Inductor fuses it; run eagerly
-    on CUDA, a Triton kernel does (``rowwise_kernel.scaled_copy``)."""
+    and read ∂C's fp32 size once more: 1 GiB at V = 128256, D = 2048). Into a narrower dtype (∂C's fp32 for a
+    16-bit classifier) the opaque ``memopt::cce_scaled_cast`` does it where the backward starts, so the fp32
+    gradient dies there (``scaled_cast``). Otherwise, traced, Inductor fuses it into its reader; run eagerly on
+    CUDA, a Triton kernel does (``rowwise_kernel.scaled_copy``)."""
+    if dtype.itemsize < saved.dtype.itemsize:
+        return torch.ops.memopt.cce_scaled_cast(saved, grad_loss, dtype)
     if HAS_TRITON and saved.is_cuda and saved.is_contiguous() and not tracing():
         return scaled_copy(saved, grad_loss.reshape(()), dtype)
     return torch.mul(saved, grad_loss, out=saved.new_empty(saved.shape, dtype=dtype))
+
+
+@reference_op("cce_scaled_cast")
+def scaled_cast(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saved · grad_loss`` in the narrower ``dtype``, as an op Inductor cannot fuse into a later kernel.
+
+    Traced, the product and its cast are pointwise, and Inductor computes them inside their reader. Where that
+    reader is the sum of a tied classifier's two gradients, it runs at the backward's end, and the saved fp32 ∂C
+    stays alive through the whole backward beside the embedding's own fp32 gradient. Cast here, it is half that
+    size from the backward's start on, for a moment beside the fp32 ∂C (one more V·D·2 there). The whole steps of
+    2-block models at 8 × 1024 tokens, simulated for a GPU (`benchmarks/zoo.py --predict-only`): Cohere's peak
+    14960 → 12242 MiB (V = 256000, D = 4096), Gemma 2 10022 → 9168, Gemma 9468 → 9081; Llama-3.2-1B's, which
+    is where the backward starts, 4805 → 4853; untied classifiers unchanged."""
+    if HAS_TRITON and saved.is_cuda and saved.is_contiguous():
+        return scaled_copy(saved, grad_loss.reshape(()), dtype)
+    out = saved.new_empty(saved.shape, dtype=dtype)
+    # In blocks: a product written into a narrower ``out`` goes through a temporary of the product's dtype, which
+    # for the whole of ∂C would be its fp32 size again.
+    source, target = saved.reshape(-1), out.view(-1)
+    for start in range(0, source.numel(), SCALED_CAST_ELEMENTS):
+        block = slice(start, start + SCALED_CAST_ELEMENTS)
+        torch.mul(source[block], grad_loss, out=target[block])
+    return out
+
+
+# Elements per block of ``scaled_cast`` off the Triton kernel (its fp32 temporary: 4 MiB).
+SCALED_CAST_ELEMENTS = 1 << 20
+
+
+@scaled_cast.register_fake
+def _(saved, grad_loss, dtype):
+    return saved.new_empty(saved.shape, dtype=dtype)
+
+
+@workspace("cce_scaled_cast")
+def scaled_cast_workspace(device_type: str, saved, *_):
+    """The product's block in its own dtype off CUDA; the CUDA kernel writes the narrower result directly."""
+    if device_type == "cuda":
+        return 0
+    return torch.sym_min(saved.numel(), SCALED_CAST_ELEMENTS) * saved.dtype.itemsize
 
 
 def _backward(ctx, grad_loss, *_):

@@ -714,14 +714,15 @@ class TestVariant(TestCase):
         return code
 
     def test_auto_serves_returned_logits_with_the_detached_op(self):
-        """Decided as for CUDA, with the logits returned after a body that outweighs the head: what the row-wise
-        op keeps for the backward would sit on the step's peak beside them, so "auto" takes ``cce_with_logits``
-        with the logits detached (the backend's wrapper carries their gradient) and says what it avoided."""
-        vocab, dim = 16384, 16  # fp32 logits of 256 MiB, four of the op's 64 MiB chunks
-        fn, params = self._returned_logits_loss(vocab, dim, self._mlp(dim, 16384))  # 2·16·16384 > 16384·16 a token
-        hidden = torch.randn(2, 2048, dim, requires_grad=True)  # chunks well below the logits
+        """Decided as for CUDA, with the logits returned after a body that outweighs the head more than 3×: what
+        the row-wise op keeps for the backward would sit on the step's peak beside them, so "auto" takes
+        ``cce_with_logits`` with the logits detached (the backend's wrapper carries their gradient) and says what
+        it avoided."""
+        vocab, dim = 16384, 16  # fp32 logits of 128 MiB, two of the op's 64 MiB chunks
+        fn, params = self._returned_logits_loss(vocab, dim, self._mlp(dim, 32768))  # 2·2·16·32768 = 4 × 2·16·16384
+        hidden = torch.randn(2, 1024, dim, requires_grad=True)  # chunks below the logits
         code = self._check_returned_logits(
-            fn, params, hidden, torch.randint(0, vocab, (2, 2048)), "with_logits",
+            fn, params, hidden, torch.randint(0, vocab, (2, 1024)), "with_logits",
             "detached cce_with_logits keeps nothing for the backward", "cce_with_logits",
         )
         call = code[code.index("torch.ops.memopt.cce_with_logits.default(") :]
@@ -734,7 +735,7 @@ class TestVariant(TestCase):
         fn, params = self._returned_logits_loss(vocab, dim)
         hidden = torch.randn(2, 2048, dim, requires_grad=True)  # chunks well below the logits
         self._check_returned_logits(
-            fn, params, hidden, torch.randint(0, vocab, (2, 2048)), "rowwise", "the head alone in its graph",
+            fn, params, hidden, torch.randint(0, vocab, (2, 2048)), "rowwise", "a head-heavy graph",
             "cce_rowwise",
         )
 
@@ -755,7 +756,7 @@ class TestVariant(TestCase):
         [record] = [r for r in ex.records if r.rule == "cce"]
         self.assertTrue(record.applied, record.reason)
         self.assertEqual(record.params["variant"], "rowwise")
-        self.assertIn("the head alone in its graph", record.params["variant_reason"])
+        self.assertIn("a head-heavy graph", record.params["variant_reason"])
         # the returned logits (bf16 [1024, 32000]) count against the op: it frees less than torch.compile's
         # saved logits plus the zeros autograd hands them
         self.assertLess(record.against_compile["peak_hint"], 2 * 1024 * 32000 * 2)
@@ -765,7 +766,7 @@ class TestVariant(TestCase):
 
     def test_a_body_of_addmm_counts(self):
         """GPT-2's Conv1D layers are ``torch.addmm`` (bias first): their work counts against the head's too."""
-        vocab, dim, width = 4096, 16, 4096
+        vocab, dim, width = 4096, 16, 8192  # other matmuls 4× the classifier's
         up, down = nn.Parameter(torch.randn(dim, width) * 0.1), nn.Parameter(torch.randn(width, dim) * 0.02)
         up_bias, down_bias = nn.Parameter(torch.zeros(width)), nn.Parameter(torch.zeros(dim))
 
@@ -780,19 +781,29 @@ class TestVariant(TestCase):
         """A body under activation checkpointing (HF's ``activation_checkpointing_enable``) is a region of its own in
         the graph: its matmuls still count against the head's, so the whole model keeps ``cce_with_logits``."""
         vocab, dim = 4096, 16
-        mlp = self._mlp(dim, 4096)
+        mlp = self._mlp(dim, 8192)
         fn, _ = self._returned_logits_loss(
-            vocab, dim, lambda h: torch.utils.checkpoint.checkpoint(mlp, h, use_reentrant=False)
+            vocab, dim, lambda h: torch.utils.checkpoint.checkpoint(mlp, h, use_reentrant=False)  # 4× the head
         )
         self.assertEqual(self._decided(fn, vocab, dim)["variant"], "with_logits")
 
-    def test_a_small_body_leaves_the_head_alone(self):
-        """A body whose matmuls do less work than the classifier still counts as the head alone."""
+    def test_a_small_body_leaves_the_graph_head_heavy(self):
+        """A body whose matmuls do less work than the classifier: the row-wise op, and the reason gives the
+        figures."""
         vocab, dim = 4096, 16
         fn, _ = self._returned_logits_loss(vocab, dim, self._mlp(dim, 512))  # 2·16·512 < 4096·16 a token
         params = self._decided(fn, vocab, dim)
         self.assertEqual(params["variant"], "rowwise")
-        self.assertRegex(params["variant_reason"], r"other matmuls 1\.7e\+07 FLOPs against the classifier's 6\.7e\+07")
+        self.assertRegex(params["variant_reason"],
+                         r"other matmuls 1\.7e\+07 FLOPs, at most 3× the classifier's 6\.7e\+07")
+
+    def test_the_head_heavy_bound_is_three_times_the_classifier(self):
+        """Other matmuls of exactly 3× the classifier's work (an MLP 1.5× as wide as the vocabulary): the row-wise
+        op; a little more: ``cce_with_logits``, whose extra GEMM is then under 1/12 of the step's matmul work."""
+        vocab, dim = 4096, 16
+        for width, variant in ((6144, "rowwise"), (6208, "with_logits")):
+            fn, _ = self._returned_logits_loss(vocab, dim, self._mlp(dim, width))
+            self.assertEqual(self._decided(fn, vocab, dim)["variant"], variant, width)
 
     def test_auto_takes_rowwise_off_cuda(self):
         """The same loss decided for the CPU: the row-wise op serves it as on CUDA, weighed by the same 3/4 rule

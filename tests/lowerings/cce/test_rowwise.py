@@ -345,3 +345,74 @@ def test_opcheck_with_returned_logits():
     (h, w), targets = _inputs(torch.float32, bias=False)
     args = (h, w, None, targets, -100, "mean", 0.0, None, True, True, False, True)
     torch.library.opcheck(torch.ops.memopt.cce_rowwise.default, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scaled_cast_is_the_product_rounded_once(monkeypatch, dtype):
+    """``memopt::cce_scaled_cast`` (a saved fp32 gradient times the upstream scalar, into a 16-bit leaf's dtype)
+    equals PyTorch's product written into that dtype, block by block with a ragged last block; its temporaries
+    stay within the workspace the memory model charges for it."""
+    from tests.lowerings.memory import peak_temporary_bytes
+
+    monkeypatch.setattr(rowwise, "SCALED_CAST_ELEMENTS", 64)
+    saved = torch.randn(37, 5, generator=torch.Generator().manual_seed(3))  # 185 elements: 64 + 64 + 57
+    scale = torch.tensor(0.375)
+    expected = torch.mul(saved, scale, out=torch.empty(saved.shape, dtype=dtype))
+    peak, ours = peak_temporary_bytes(lambda: torch.ops.memopt.cce_scaled_cast(saved, scale, dtype))
+    assert ours.dtype == dtype and torch.equal(ours, expected)
+    assert 0 < peak <= rowwise.scaled_cast_workspace("cpu", saved) == 64 * 4
+    assert rowwise.scaled_cast_workspace("cuda", saved) == 0  # the CUDA kernel writes the narrower result itself
+    torch.library.opcheck(torch.ops.memopt.cce_scaled_cast.default, (saved, scale, dtype))
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding, one layer and the embedding as classifier: the classifier's gradient is the sum of the head's
+    and the embedding's, taken at the backward's end."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.mix(self.embed(ids))).flatten(0, 1)
+        return F.cross_entropy(F.linear(hidden, self.embed.weight).float(), labels.flatten())
+
+
+def test_a_tied_16_bit_classifier_drops_its_fp32_gradient_where_the_backward_starts():
+    """The row-wise op keeps ∂C in fp32 from forward to backward. Scaled and cast in the traced backward, the
+    product fused into the sum of the tied classifier's two gradients at the backward's end, so the fp32 ∂C was
+    alive beside the embedding's fp32 gradient there (the CPU profile showed both). ``cce_scaled_cast`` casts it
+    where the backward starts: when the backward allocates the embedding's fp32 [V, D] gradient, no other block
+    of that size is alive."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import fxpass
+    from benchmarks._common import allocation_events
+
+    vocab, dim = 4096, 128  # [V, D] fp32: 2 MiB, apart from the cast's 4 MiB block and every other tensor
+    torch.manual_seed(0)
+    model = _TiedLM(vocab, dim).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (2, 64))
+    options = {"cce_variant": "rowwise", "force": True}
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=fxpass.MemoptBackend(options=options))
+    reference = torch.nn.functional.cross_entropy(
+        F.linear(torch.tanh(model.mix(model.embed(ids))).flatten(0, 1), model.embed.weight).float(), ids.flatten()
+    )
+    loss = step(ids, ids)
+    torch.testing.assert_close(loss, reference, rtol=1e-2, atol=1e-2)
+    loss.backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(ids, ids).backward()
+    torch._dynamo.reset()
+    block = vocab * dim * 4
+    alive: set[int] = set()
+    alive_at_last = None
+    for _, ptr, size in allocation_events(prof):
+        if size == block:
+            alive_at_last = set(alive)
+            alive.add(ptr)
+        elif size == -block:
+            alive.discard(ptr)
+    assert alive_at_last == set(), "the fp32 ∂C was alive when the embedding's fp32 gradient was allocated"
