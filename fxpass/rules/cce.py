@@ -804,7 +804,7 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     # Returned logits: the wrapper carries their gradient (else _rowwise_blocker declined above).
     if candidate.returns_logits and device.type == "cuda":
-        heavy = _head_heavy(candidate.classifier)
+        heavy = _head_heavy(candidate.classifier, candidate.returned_dtype is not None)
         if heavy:
             return "rowwise", heavy
         # The loss ends the forward, so what the op keeps for the backward sits on the step's peak, beside the
@@ -856,7 +856,7 @@ def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Conf
     large part of a head-heavy graph's cost: in 2-block models at real widths (`benchmarks/zoo.py`, H200) whose
     head outweighs the blocks, the families it served ran at 1.19-1.44x torch.compile's step time, those the
     row-wise op served at 0.92-0.98x."""
-    heavy = _head_heavy(candidate.classifier)
+    heavy = _head_heavy(candidate.classifier, candidate.returned_dtype is not None)
     if not heavy:
         return None  # cce_with_logits (``choose_variant``)
     rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
@@ -898,7 +898,7 @@ def _graphs_of(graph: fx.Graph) -> list[fx.Graph]:
     return [graph, *bodies]
 
 
-def _head_heavy(classifier: fx.Node) -> str:
+def _head_heavy(classifier: fx.Node, widened: bool = False) -> str:
     """Why the row-wise op should serve returned logits on CUDA, or "": where the graph's other matmuls do at most
     ``HEAD_SHARE`` times the classifier's work, the detached ``cce_with_logits``' extra 2·N·D·V GEMM adds at least
     1/12 of the step's matmul work (forward and backward: three times the forward's), more than memopt's other
@@ -908,16 +908,22 @@ def _head_heavy(classifier: fx.Node) -> str:
     per-block frames leave the head alone in its graph: the op alone 1.52×, the row-wise one 1.04×
     (`benchmarks/e2e.py --flows fsdp`). Past that share, ``cce_with_logits``' lower peak costs no time against
     torch.compile: the Llama-3.2-1B shape's 16 blocks (other matmuls 3.7× the classifier's) at 0.80× its peak and
-    0.93× its time (`benchmarks/e2e.py --flows whole_model`)."""
+    0.93× its time (`benchmarks/e2e.py --flows whole_model`).
+
+    Logits returned in a wider dtype (``widened``) take the row-wise op only where the classifier outweighs the
+    rest: ``cce_with_logits`` writes them from its GEMM in that dtype, where the row-wise op's 16-bit logits are
+    cast beside them (HF Trainer's fp32 logits; its GPT-2 step was measured with ``cce_with_logits``)."""
     head = _matmul_flops(classifier)
     rest = sum(_matmul_flops(node) for graph in _graphs_of(classifier.graph) for node in graph.nodes
                if node is not classifier)
-    if head == 0 or rest > HEAD_SHARE * head:
+    if head == 0 or (rest >= head if widened else rest > HEAD_SHARE * head):
         return ""
+    bound = f"less than the classifier's {head:.2g}, returned widened" if widened else \
+        f"at most {HEAD_SHARE}× the classifier's {head:.2g}"
     return (
-        f"returned logits of a head-heavy graph (its other matmuls {rest:.2g} FLOPs, at most {HEAD_SHARE}× the "
-        f"classifier's {head:.2g}): the detached cce_with_logits' extra 2·N·D·V GEMM would add at least 1/12 of "
-        "the step's matmul work, so the row-wise op (6·N·D·V, as torch.compile's head) serves it"
+        f"returned logits of a head-heavy graph (its other matmuls {rest:.2g} FLOPs, {bound}): the detached "
+        "cce_with_logits' extra 2·N·D·V GEMM would add at least 1/12 of the step's matmul work, so the row-wise "
+        "op (6·N·D·V, as torch.compile's head) serves it"
     )
 
 

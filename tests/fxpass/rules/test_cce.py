@@ -805,6 +805,32 @@ class TestVariant(TestCase):
             fn, _ = self._returned_logits_loss(vocab, dim, self._mlp(dim, width))
             self.assertEqual(self._decided(fn, vocab, dim)["variant"], variant, width)
 
+    def test_widened_returned_logits_take_the_row_wise_op_only_where_the_head_outweighs_the_rest(self):
+        """Logits returned in fp32 after a bf16 classifier (HF Trainer's ``convert_to_fp32``): ``cce_with_logits``
+        writes them from its GEMM in fp32, where the row-wise op's bf16 logits would be cast beside them. A body
+        of 2× the classifier's work keeps ``cce_with_logits`` (in bf16 it would be head-heavy); a body lighter
+        than the classifier counts as head-heavy (the row-wise op, where it frees memory against torch.compile)."""
+        vocab, dim = 4096, 16
+        for width, widened, heavy in ((4096, True, False), (4096, False, True), (512, True, True)):
+            torch.manual_seed(0)
+            body = self._mlp(dim, width).to(torch.bfloat16)
+            weight = nn.Parameter((torch.randn(vocab, dim) * 0.02).to(torch.bfloat16))
+
+            def fn(h, t, body=body, weight=weight, widened=widened):
+                logits = F.linear(body(h), weight)
+                loss = F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
+                return (logits.float() if widened else logits), loss
+
+            hidden = torch.randn(2, 256, dim, dtype=torch.bfloat16, requires_grad=True)
+            ex = rewritten(fn, hidden, torch.randint(0, vocab, (2, 256)), force=False, cce_variant="auto",
+                           assume_device="cuda")
+            reason = ex.records[0].params.get("variant_reason", "")
+            self.assertEqual("a head-heavy graph" in reason, heavy, (width, widened, reason))
+            if heavy:
+                self.assertIn("less than the classifier's" if widened else "at most 3× the classifier's", reason)
+            else:
+                self.assertEqual(ex.records[0].params["variant"], "with_logits")
+
     def test_auto_takes_rowwise_off_cuda(self):
         """The same loss decided for the CPU: the row-wise op serves it as on CUDA, weighed by the same 3/4 rule
         (at 512 tokens its 512-row chunk would be all the logits, and the chunked op stays: the test below)."""
