@@ -855,18 +855,32 @@ def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Conf
     torch.compile returns the logits it saves. Time comes first here because ``cce_with_logits``' extra GEMM is a
     large part of a head-heavy graph's cost: in 2-block models at real widths (`benchmarks/zoo.py`, H200) whose
     head outweighs the blocks, the families it served ran at 1.19-1.44x torch.compile's step time, those the
-    row-wise op served at 0.92-0.98x."""
+    row-wise op served at 0.92-0.98x. Where the head does not outweigh the rest (other matmuls 1-3× its work),
+    the row-wise op must also keep half of what ``cce_with_logits`` frees (each priced against torch.compile):
+    Phi-3, Starcoder2 and Granite keep 0.57-0.78 of it and ran at 0.89-0.96× torch.compile's time on the H100;
+    Falcon's (V = 65024, D = 4544) would keep 0.21, and with ``cce_with_logits`` it ran at 0.33× torch.compile's
+    peak and 0.77× its time (`benchmarks/zoo.py`)."""
     heavy = _head_heavy(candidate.classifier, candidate.returned_dtype is not None)
     if not heavy:
         return None  # cce_with_logits (``choose_variant``)
     rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
+    figures = f"the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile"
     if shapes.clears(rowwise, config.min_saved_bytes).pays:
-        return None
+        head, rest = _matmul_work(candidate.classifier)
+        if rest < head:  # the head outweighs the rest: time first
+            return None
+        chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
+        if shapes.clears(2 * rowwise - chunked, 0).pays:
+            return None
+        return dataclasses.replace(config, cce_variant="chunked"), (
+            f"{heavy}; but {figures}, under half of cce_with_logits' "
+            f"{shapes.format_bytes(shapes.hint(chunked))}: cce_with_logits serves them"
+        )
     chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
     return dataclasses.replace(config, cce_variant="chunked"), (
-        f"{heavy}; but the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile (it "
-        f"keeps ∂C and returns logits it does not save, where torch.compile returns the logits it saves) and "
-        f"cce_with_logits {shapes.format_bytes(shapes.hint(chunked))}: cce_with_logits serves them"
+        f"{heavy}; but {figures} (it keeps ∂C and returns logits it does not save, where torch.compile returns the "
+        f"logits it saves) and cce_with_logits {shapes.format_bytes(shapes.hint(chunked))}: cce_with_logits "
+        "serves them"
     )
 
 
@@ -898,6 +912,13 @@ def _graphs_of(graph: fx.Graph) -> list[fx.Graph]:
     return [graph, *bodies]
 
 
+def _matmul_work(classifier: fx.Node) -> tuple[int, int]:
+    """FLOPs of the classifier and of the other matmuls of its graph (checkpointed bodies included), at the hints."""
+    rest = sum(_matmul_flops(node) for graph in _graphs_of(classifier.graph) for node in graph.nodes
+               if node is not classifier)
+    return _matmul_flops(classifier), rest
+
+
 def _head_heavy(classifier: fx.Node, widened: bool = False) -> str:
     """Why the row-wise op should serve returned logits on CUDA, or "": where the graph's other matmuls do at most
     ``HEAD_SHARE`` times the classifier's work, the detached ``cce_with_logits``' extra 2·N·D·V GEMM adds at least
@@ -913,9 +934,7 @@ def _head_heavy(classifier: fx.Node, widened: bool = False) -> str:
     Logits returned in a wider dtype (``widened``) take the row-wise op only where the classifier outweighs the
     rest: ``cce_with_logits`` writes them from its GEMM in that dtype, where the row-wise op's 16-bit logits are
     cast beside them (HF Trainer's fp32 logits; its GPT-2 step was measured with ``cce_with_logits``)."""
-    head = _matmul_flops(classifier)
-    rest = sum(_matmul_flops(node) for graph in _graphs_of(classifier.graph) for node in graph.nodes
-               if node is not classifier)
+    head, rest = _matmul_work(classifier)
     if head == 0 or (rest >= head if widened else rest > HEAD_SHARE * head):
         return ""
     bound = f"less than the classifier's {head:.2g}, returned widened" if widened else \

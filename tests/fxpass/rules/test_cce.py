@@ -831,6 +831,29 @@ class TestVariant(TestCase):
             else:
                 self.assertEqual(ex.records[0].params["variant"], "with_logits")
 
+    def test_a_head_heavy_graph_keeps_the_detached_op_where_the_row_wise_one_frees_under_half(self):
+        """Other matmuls 2× the classifier's (head-heavy, not alone), a wide classifier over few tokens: the
+        row-wise op's fp32 ∂C leaves it under half of what ``cce_with_logits`` frees against torch.compile (as
+        Falcon's V = 65024, D = 4544 head), so ``cce_with_logits`` serves the returned logits, with both figures."""
+        vocab, dim = 8192, 256
+        torch.manual_seed(0)
+        body = self._mlp(dim, vocab).to(torch.bfloat16)  # 2·2·dim·vocab: twice the classifier's 2·dim·vocab
+        weight = nn.Parameter((torch.randn(vocab, dim) * 0.02).to(torch.bfloat16))
+
+        def fn(h, t):
+            logits = F.linear(body(h), weight)
+            return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
+
+        hidden = torch.randn(1, 1024, dim, dtype=torch.bfloat16, requires_grad=True)
+        ex = rewritten(fn, hidden, torch.randint(0, vocab, (1, 1024)), force=False, cce_variant="auto",
+                       assume_device="cuda")
+        record = ex.records[0]
+        self.assertTrue(record.applied, record.reason)
+        self.assertEqual(record.params["variant"], "with_logits")
+        self.assertRegex(record.params["variant_reason"],
+                         r"a head-heavy graph .*; but the row-wise op frees [\d.]+ MiB against torch.compile, under "
+                         r"half of cce_with_logits' [\d.]+ MiB")
+
     def test_auto_takes_rowwise_off_cuda(self):
         """The same loss decided for the CPU: the row-wise op serves it as on CUDA, weighed by the same 3/4 rule
         (at 512 tokens its 512-row chunk would be all the logits, and the chunked op stays: the test below)."""
