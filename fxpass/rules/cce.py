@@ -804,7 +804,7 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     rowwise = memory_model(candidate, config.assume_device, "rowwise").saved
     # Returned logits: the wrapper carries their gradient (else _rowwise_blocker declined above).
     if candidate.returns_logits and device.type == "cuda":
-        heavy = _head_heavy(candidate.classifier, candidate.returned_dtype is not None)
+        heavy = _head_heavy(*_matmul_work(candidate.classifier), candidate.returned_dtype is not None)
         if heavy:
             return "rowwise", heavy
         # The loss ends the forward, so what the op keeps for the backward sits on the step's peak, beside the
@@ -860,13 +860,13 @@ def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Conf
     Phi-3, Starcoder2 and Granite keep 0.57-0.78 of it and ran at 0.89-0.96× torch.compile's time on the H100;
     Falcon's (V = 65024, D = 4544) would keep 0.21, and with ``cce_with_logits`` it ran at 0.33× torch.compile's
     peak and 0.77× its time (`benchmarks/zoo.py`)."""
-    heavy = _head_heavy(candidate.classifier, candidate.returned_dtype is not None)
+    head, rest = _matmul_work(candidate.classifier)
+    heavy = _head_heavy(head, rest, candidate.returned_dtype is not None)
     if not heavy:
         return None  # cce_with_logits (``choose_variant``)
     rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
     figures = f"the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile"
     if shapes.clears(rowwise, config.min_saved_bytes).pays:
-        head, rest = _matmul_work(candidate.classifier)
         if rest < head:  # the head outweighs the rest: time first
             return None
         chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
@@ -919,8 +919,9 @@ def _matmul_work(classifier: fx.Node) -> tuple[int, int]:
     return _matmul_flops(classifier), rest
 
 
-def _head_heavy(classifier: fx.Node, widened: bool = False) -> str:
-    """Why the row-wise op should serve returned logits on CUDA, or "": where the graph's other matmuls do at most
+def _head_heavy(head: int, rest: int, widened: bool = False) -> str:
+    """Why the row-wise op should serve returned logits on CUDA, or "", from the classifier's FLOPs (``head``) and
+    those of the graph's other matmuls (``rest``, ``_matmul_work``): where those do at most
     ``HEAD_SHARE`` times the classifier's work, the detached ``cce_with_logits``' extra 2·N·D·V GEMM adds at least
     1/12 of the step's matmul work (forward and backward: three times the forward's), more than memopt's other
     savings give back. Measured on the H100 (`benchmarks/zoo.py`, 2 blocks, 8 × 1024 tokens): Granite, Phi-3 and
@@ -934,7 +935,6 @@ def _head_heavy(classifier: fx.Node, widened: bool = False) -> str:
     Logits returned in a wider dtype (``widened``) take the row-wise op only where the classifier outweighs the
     rest: ``cce_with_logits`` writes them from its GEMM in that dtype, where the row-wise op's 16-bit logits are
     cast beside them (HF Trainer's fp32 logits; its GPT-2 step was measured with ``cce_with_logits``)."""
-    head, rest = _matmul_work(classifier)
     if head == 0 or (rest >= head if widened else rest > HEAD_SHARE * head):
         return ""
     bound = f"less than the classifier's {head:.2g}, returned widened" if widened else \
