@@ -30,6 +30,7 @@ ENV_INNER = "MEMOPT_INNER_COMPILER"
 ENV_MIN_SAVED = "MEMOPT_MIN_SAVED_BYTES"
 ENV_FORCE = "MEMOPT_FORCE"
 ENV_WTA_BUDGET = "MEMOPT_WTA_CRS_BUDGET"
+ENV_WTA_MAX_US = "MEMOPT_WTA_CRS_MAX_US_PER_MIB"
 ENV_CCE_FILTER = "MEMOPT_CCE_FILTER_EPS"
 ENV_ASSUME_DEVICE = "MEMOPT_ASSUME_DEVICE"
 ENV_CCE_VARIANT = "MEMOPT_CCE_VARIANT"
@@ -59,6 +60,12 @@ class Config:
         wta_crs_budget: fraction of activation rows WTA-CRS linears keep for the weight gradient (0 < b ≤ 1);
             None leaves it off. It changes weight gradients (unbiased, with variance), so it is opt-in.
         wta_crs_min_tokens: WTA-CRS only rewrites linears over at least this many token rows.
+        wta_crs_max_us_per_mib: on CUDA a WTA-CRS group applies only where its modelled extra step time, per MiB
+            it frees against torch.compile, is at most this many µs (``fxpass/rules/wta_crs.py``, ``step_cost``):
+            a group costs a roughly fixed draw and host work a step, less the weight-gradient GEMM work its
+            sample saves, and recomputation frees activations at about 6 µs a MiB (GPT-2 small on an H100,
+            BENCHMARKS.md, "WTA-CRS"), so dearer groups are left to torch.compile. None applies every group that
+            frees memory.
         wta_crs_winners: keep the deterministic "winner" rows (WTA-CRS); False samples every row (plain
             column-row sampling), for comparisons.
         wta_crs_sampling: how a WTA-CRS group's sample gets into the graph: "traced" (the default: PyTorch that
@@ -105,6 +112,7 @@ class Config:
     force: bool = False
     wta_crs_budget: float | None = None
     wta_crs_min_tokens: int = 256
+    wta_crs_max_us_per_mib: float | None = 6.0
     wta_crs_winners: bool = True
     wta_crs_sampling: str = "traced"
     cce_filter_eps: float | str | None = None
@@ -126,6 +134,10 @@ class Config:
             _check_type("wta_crs_budget", self.wta_crs_budget, (int, float))
             if isinstance(self.wta_crs_budget, bool) or not 0 < self.wta_crs_budget <= 1:
                 raise ConfigError(f"wta_crs_budget must be in (0, 1], got {self.wta_crs_budget!r}")
+        if self.wta_crs_max_us_per_mib is not None:
+            _check_type("wta_crs_max_us_per_mib", self.wta_crs_max_us_per_mib, (int, float))
+            if isinstance(self.wta_crs_max_us_per_mib, bool) or not self.wta_crs_max_us_per_mib >= 0:
+                raise ConfigError(f"wta_crs_max_us_per_mib must be >= 0 or None, got {self.wta_crs_max_us_per_mib!r}")
         if self.cce_filter_eps is not None and self.cce_filter_eps != "auto":
             _check_type("cce_filter_eps", self.cce_filter_eps, (int, float))
             if isinstance(self.cce_filter_eps, bool) or not 0 <= self.cce_filter_eps < 1:
@@ -207,6 +219,12 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             values["wta_crs_budget"] = float(env[ENV_WTA_BUDGET])
         except ValueError as e:
             raise ConfigError(f"{ENV_WTA_BUDGET} must be a number in (0, 1], got {env[ENV_WTA_BUDGET]!r}") from e
+    if env.get(ENV_WTA_MAX_US):
+        text = env[ENV_WTA_MAX_US].strip().lower()
+        try:
+            values["wta_crs_max_us_per_mib"] = None if text in ("none", "off") else float(text)
+        except ValueError as e:
+            raise ConfigError(f"{ENV_WTA_MAX_US} must be a number or 'none', got {env[ENV_WTA_MAX_US]!r}") from e
     if env.get(ENV_CCE_FILTER):
         text = env[ENV_CCE_FILTER]
         try:

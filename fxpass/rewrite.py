@@ -71,6 +71,8 @@ def _run_rule(
                 decision = _against_compile(rule, candidate, decision, config)
             else:
                 decision = checkpoint.decide_in_region(rule.name, decision, region)
+            if decision.apply and rule.weigh is not None and not config.force:
+                decision = rule.weigh(candidate, decision, config)
             records.append(_record(rule.name, candidate, decision, config, region, rule.priced_on))
             if decision.apply:
                 rule.apply(gm, candidate, decision.config or config)

@@ -66,6 +66,9 @@ class Rule:
     # peak (a language model's head, attention at the start of the backward), "saved" for one whose benefit is
     # the activation it stops holding across the step (its own transient buffers live in its layer only).
     priced_on: str = "peak"
+    # A last say on a decision to apply, once what it frees is known (against torch.compile where priced): the
+    # decision as it stands, or declined with why. WTA-CRS weighs a group's step time against its saving here.
+    weigh: Callable[[Any, Decision, Config], Decision] | None = None
 
 
 def decide_on_saving(memory: MemoryModel, config: Config, what: str) -> Decision:

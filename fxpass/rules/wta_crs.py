@@ -291,6 +291,80 @@ def _recomputable(node: fx.Node) -> bool:
     return not (isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims"))
 
 
+# --- weigh: step time against what a group frees ------------------------------------------------------------
+
+# What one group adds to a CUDA step before the weight-gradient work its sample saves: the draw (one Triton
+# program, 51-83 µs a call at 16384 rows), the norm, gather and store kernels, and the host work of its opaque
+# ops. GPT-2 small's 36 groups, 16 × 1024 (`benchmarks/tools/wta_crs_profile.py`): +139 µs of step a group on
+# the H200, +389 on an H100 whose host is slower, each after about 70 µs of weight-gradient GEMMs saved.
+GROUP_OVERHEAD_US = 300.0
+# Matmul throughput (TFLOP/s) at which a group's smaller weight-gradient GEMMs save time: the 1.78 TFLOP that
+# GPT-2's 36 groups no longer compute took 2.3-2.5 ms on both cards (the same profiles). fp32 at the H100's
+# dense fp32 rate, less what a GEMM realizes.
+GEMM_TFLOPS = {torch.bfloat16: 700.0, torch.float16: 700.0, torch.float32: 50.0}
+# Recomputation's price of memory, for the reason a group is declined: memopt with AOTAutograd's
+# activation_memory_budget freed 1.58 GiB of GPT-2 small's step for 9.8 ms on an H100 (BENCHMARKS.md, "WTA-CRS").
+RECOMPUTE_US_PER_MIB = 6.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """A group's modelled change of a CUDA step's time, µs: its fixed cost less the GEMM work it saves."""
+
+    overhead_us: float
+    gemm_saved_us: float
+
+    @property
+    def extra_us(self) -> float:
+        return self.overhead_us - self.gemm_saved_us
+
+
+def step_cost(candidate: WtaMatch, budget: float) -> StepCost:
+    """What sampling ``candidate`` at ``budget`` adds to a CUDA step, at the shapes' hints.
+
+    The weight gradients shrink from 2·N·D_in·ΣD_out FLOPs to 2·k·D_in·ΣD_out; the rest is a cost per group
+    (``GROUP_OVERHEAD_US``) that hardly depends on the widths. So wide layers pay for themselves (the
+    Llama-3.2-1B shape's MLP: its sampled step was faster than memopt's alone), narrow ones do not (GPT-2's
+    768-wide inputs)."""
+    from lowerings.wta_crs.reference import sample_size
+
+    x = tensor_value(candidate.input)
+    rows = shapes.hint(shapes.numel(x) // x.shape[-1])
+    skipped = rows - shapes.hint(sample_size(rows, budget))
+    width = sum(shapes.hint(_out_features(member)) for member in candidate.members)
+    flops = 2 * skipped * shapes.hint(x.shape[-1]) * width
+    throughput = GEMM_TFLOPS.get(_compute_dtype(candidate.members), GEMM_TFLOPS[torch.float32])
+    return StepCost(GROUP_OVERHEAD_US, flops / (throughput * 1e6))
+
+
+def weigh(candidate: WtaMatch, decision: Decision, config: Config) -> Decision:
+    """On CUDA, decline a group whose extra step time per MiB it frees (against torch.compile where priced)
+    exceeds ``config.wta_crs_max_us_per_mib``: recomputation, exact, frees memory cheaper there."""
+    limit = config.wta_crs_max_us_per_mib
+    device = config.memory_device(tensor_value(candidate.input).device)
+    if limit is None or config.wta_crs_budget is None or device.type != "cuda":
+        return decision
+    cost = step_cost(candidate, config.wta_crs_budget)
+    freed = decision.priced.saved if decision.priced is not None else decision.memory.saved
+    freed_mib = max(shapes.hint(freed), 0) / 2**20
+    figures = (f"its step cost modelled at {cost.overhead_us:.0f} µs (draw and host work) less "
+               f"{cost.gemm_saved_us:.0f} µs of weight-gradient GEMMs its sample skips")
+    params = {**decision.params, "extra_step_us": round(cost.extra_us, 1)}
+    if cost.extra_us <= 0:
+        return dataclasses.replace(decision, reason=f"{decision.reason}; no slower: {figures}", params=params)
+    rate = cost.extra_us / freed_mib if freed_mib > 0 else float("inf")
+    if rate <= limit:
+        reason = f"{decision.reason}; {figures}: {rate:.1f} µs a MiB freed, within wta_crs_max_us_per_mib={limit:g}"
+        return dataclasses.replace(decision, reason=reason, params=params)
+    reason = (
+        f"dearer in time than recomputation: {figures}, {cost.extra_us:.0f} µs a step for the "
+        f"{shapes.format_bytes(shapes.hint(freed))} it frees against torch.compile, {rate:.1f} µs a MiB, above "
+        f"wta_crs_max_us_per_mib={limit:g} (recomputation: about {RECOMPUTE_US_PER_MIB:g} µs a MiB); "
+        "left to torch.compile"
+    )
+    return dataclasses.replace(decision, apply=False, reason=reason, params=params)
+
+
 # --- apply ------------------------------------------------------------------------------------------------
 
 
@@ -405,4 +479,4 @@ def _period_arg(add, candidate: WtaMatch):
     return constant if constant is not None else add("call_method", "size", candidate.period_source, -2)
 
 
-RULE = Rule(name=NAME, match=match, decide=decide, apply=apply, context=context, priced_on="saved")
+RULE = Rule(name=NAME, match=match, decide=decide, apply=apply, context=context, priced_on="saved", weigh=weigh)

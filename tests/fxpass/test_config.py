@@ -46,7 +46,7 @@ class TestDefaults:
     def test_option_names(self):
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
-            "wta_crs_min_tokens", "wta_crs_winners", "wta_crs_sampling", "cce_filter_eps", "assume_device",
+            "wta_crs_min_tokens", "wta_crs_max_us_per_mib", "wta_crs_winners", "wta_crs_sampling", "cce_filter_eps", "assume_device",
             "cce_variant", "attention_kernel", "precompile", "pricing",
         }
 
@@ -135,6 +135,19 @@ class TestEnvironment:
     def test_wta_crs_budget_invalid(self, text):
         with pytest.raises(ConfigError, match=r"wta_crs_budget|MEMOPT_WTA_CRS_BUDGET"):
             Config.from_options(env={"MEMOPT_WTA_CRS_BUDGET": text})
+
+    def test_wta_crs_max_us_per_mib(self):
+        assert Config().wta_crs_max_us_per_mib == 6.0
+        assert Config.from_options(env={"MEMOPT_WTA_CRS_MAX_US_PER_MIB": "2.5"}).wta_crs_max_us_per_mib == 2.5
+        assert Config.from_options(env={"MEMOPT_WTA_CRS_MAX_US_PER_MIB": "None"}).wta_crs_max_us_per_mib is None
+        assert Config.from_options({"wta_crs_max_us_per_mib": None}).wta_crs_max_us_per_mib is None
+
+    @pytest.mark.parametrize("options, env", [({"wta_crs_max_us_per_mib": -1.0}, {}),
+                                              ({"wta_crs_max_us_per_mib": True}, {}),
+                                              ({}, {"MEMOPT_WTA_CRS_MAX_US_PER_MIB": "cheap"})])
+    def test_wta_crs_max_us_per_mib_invalid(self, options, env):
+        with pytest.raises(ConfigError, match=r"wta_crs_max_us_per_mib|MEMOPT_WTA_CRS_MAX_US_PER_MIB"):
+            Config.from_options(options, env=env)
 
     def test_force_invalid(self):
         with pytest.raises(ConfigError, match="MEMOPT_FORCE"):

@@ -300,6 +300,61 @@ wta_crs applied=False proof=None: the input t stays alive anyway, held by t (cal
         return record_lines(rewritten(fn, *args, **ON))
 
 
+class _GPT2MLP(nn.Module):
+    """LayerNorm → fc → tanh GELU → proj, residual: GPT-2's MLP, whose GELU keeps its output for the backward."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.ln, self.fc, self.proj = nn.LayerNorm(width), nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(F.gelu(self.fc(self.ln(x)), approximate="tanh"))
+
+
+def _weighed(width: int, hidden: int, rows: int, **options) -> list:
+    """The WTA-CRS records of a bf16 MLP at real widths over ``rows`` tokens, decided for a GPU (nothing run)."""
+    torch.manual_seed(0)
+    mlp = _GPT2MLP(width, hidden).to(torch.bfloat16)
+    x = torch.randn(rows // 1024, 1024, width, dtype=torch.bfloat16, requires_grad=True)
+    options = {"wta_crs_budget": 0.3, "strict": True, "assume_device": "cuda", **options}
+    ex = fxpass.explain(lambda x: mlp(x).float().sum(), x, options=options, execute=False)
+    return [r for r in ex.records if r.rule == "wta_crs"]
+
+
+class TestStepTime:
+    """On CUDA each group is weighed by its modelled step time per MiB it frees against torch.compile."""
+
+    def test_a_narrow_input_costs_more_than_recomputation_and_is_left_alone(self):
+        fc, proj = _weighed(768, 3072, 16384)  # GPT-2 small's MLP at 16 × 1024
+        assert not fc.applied and fc.reason.startswith("dearer in time than recomputation"), fc.reason
+        assert "wta_crs_max_us_per_mib=6" in fc.reason
+        assert proj.applied and "within wta_crs_max_us_per_mib=6" in proj.reason, proj.reason
+
+    def test_the_cost_is_the_fixed_overhead_less_the_skipped_gemm_work(self):
+        from fxpass.rules.wta_crs import GEMM_TFLOPS, GROUP_OVERHEAD_US
+        from lowerings.wta_crs.reference import sample_size
+
+        fc, proj = _weighed(768, 3072, 16384)
+        skipped = 2 * (16384 - sample_size(16384, 0.3)) * 768 * 3072
+        expected = GROUP_OVERHEAD_US - skipped / (GEMM_TFLOPS[torch.bfloat16] * 1e6)
+        assert fc.params["extra_step_us"] == proj.params["extra_step_us"] == pytest.approx(expected, abs=0.1)
+
+    def test_wide_layers_pay_for_themselves(self):
+        records = _weighed(2048, 16384, 8192)  # the Llama-3.2-1B shape's MLP width at 4 × 2048
+        assert [r.applied for r in records] == [True, True]
+        assert all("no slower" in r.reason and r.params["extra_step_us"] < 0 for r in records)
+
+    def test_without_a_limit_every_group_that_frees_memory_applies(self):
+        records = _weighed(768, 3072, 16384, wta_crs_max_us_per_mib=None)
+        assert [r.applied for r in records] == [True, True]
+        assert not any("µs" in r.reason for r in records)
+
+    def test_the_time_model_is_cuda_s(self):
+        records = _weighed(768, 3072, 16384, assume_device="cpu")
+        assert [r.applied for r in records] == [True, True]
+        assert not any("µs" in r.reason for r in records)
+
+
 def test_transposed_weight_through_inductor():
     """Conv1D's weight arrives as a transposed view: the op's gradients keep the layout Inductor compiled for."""
     weight, bias, ln = nn.Parameter(torch.randn(D, 3 * D)), nn.Parameter(torch.zeros(3 * D)), nn.LayerNorm(D)
