@@ -3,12 +3,19 @@
     python benchmarks/tools/wta_crs_profile.py                              # GPT-2-medium width, 6 layers, 32 × 512
     python benchmarks/tools/wta_crs_profile.py --model bert-base --layers 12
     python benchmarks/tools/wta_crs_profile.py --tiny --device cpu          # a smoke run of the script itself
+    python benchmarks/tools/wta_crs_profile.py --model gpt2 --batch 16 --seq 1024 --host-calls   # host µs a call
 
 Both variants compile the same loss-only step as ``benchmarks/wta_crs.py`` (its ``training_step``);
 ``--layers`` cuts the stack so that compiling takes seconds, not minutes (the overhead is per group of
 linears, so it scales with the layer count). For each variant it prints the median step time, the kernel
 time and launch count per step from ``torch.profiler``, then the kernels whose time per step grew most with
 WTA-CRS, and the overhead per rewritten group.
+
+A step whose kernels take less time than the host needs to launch them waits on the host. ``--host-calls``
+measures, instead of the step, the host time of one call of each opaque op a group runs (the draw, the linears,
+the store) at the model's width and token count, beside the bare kernel or GEMM inside it and an empty custom
+op: the calls are only queued, so the loop's time is the host's as long as it is not waiting on the GPU (the
+"wall" column, after a synchronize, says whether it was).
 """
 
 from __future__ import annotations
@@ -27,7 +34,14 @@ from torch.autograd import DeviceType
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import header, release_memory, set_up, write_report
-from benchmarks.wta_crs import add_model_arguments, add_step_arguments, backends, training_step, wta_groups
+from benchmarks.wta_crs import (
+    add_model_arguments,
+    add_step_arguments,
+    backends,
+    build,
+    training_step,
+    wta_groups,
+)
 
 log = logging.getLogger("benchmarks.tools.wta_crs_profile")
 
@@ -102,16 +116,73 @@ def report(results: dict[str, tuple[float, dict, int]], top: int) -> str:
     return "\n".join(lines)
 
 
+def host_calls(args, device: torch.device, calls: int = 300) -> str:
+    """Host µs a call of WTA-CRS's opaque ops (and what they wrap) at ``args``' model width and token count."""
+    import torch.nn.functional as F
+
+    from lowerings.wta_crs import kernels, state
+    from lowerings.wta_crs.reference import sample_size
+
+    @torch.library.custom_op("memopt_bench::empty", mutates_args=())
+    def empty(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(1)
+
+    empty.register_fake(lambda x, y: x.new_empty(1))
+    width = build(args.model, args.tiny, layers=1)[0].config.hidden_size
+    rows, period = args.batch * args.seq, args.seq
+    k = sample_size(rows, args.budget)
+    norms, uniforms = torch.rand(rows, device=device), torch.rand(k, device=device)
+    estimate = state.estimate("host_calls", device).values
+    x = torch.randn(args.batch, args.seq, width, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(3 * width, width, device=device, dtype=torch.bfloat16)
+    bias = torch.randn(3 * width, device=device, dtype=torch.bfloat16)
+    index = torch.randint(0, rows, (k,), device=device)
+    sampled = torch.randn(k, width, device=device, dtype=torch.bfloat16)
+    cases = {
+        "an empty custom op": lambda: torch.ops.memopt_bench.empty.default(norms, uniforms),
+        "the draw kernel (`kernels.draw`)": lambda: kernels.draw(norms, uniforms, True, estimate=estimate,
+                                                                 period=period),
+        "`memopt::wta_crs_draw`": lambda: torch.ops.memopt.wta_crs_draw.default(norms, estimate, uniforms, period,
+                                                                               True),
+        "the estimate's update kernel": lambda: kernels.update_estimate(estimate, norms, period, 0.9),
+        "`memopt::wta_crs_store`": lambda: torch.ops.memopt.wta_crs_store.default(norms, "host_calls", period),
+        "`F.linear` (Q/K/V)": lambda: F.linear(x, weight, bias),
+        "`memopt::wta_crs_linears` (Q/K/V)": lambda: torch.ops.memopt.wta_crs_linears.default(
+            x, [weight], [bias], [0], index, sampled, "host_calls", period),
+    }
+    lines = ["| call | host µs | wall µs |", "|---|---|---|"]
+    with torch.no_grad():
+        for name, call in cases.items():
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            host = (time.perf_counter() - start) / calls * 1e6
+            torch.cuda.synchronize(device)
+            wall = (time.perf_counter() - start) / calls * 1e6
+            lines.append(f"| {name} | {host:.1f} | {wall:.1f} |")
+    state.reset("host_calls")
+    return (f"{rows} token rows of width {width}, {k} sampled, {calls} calls each\n\n" + "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser, layers=6, batch=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host-calls", action="store_true", help="CUDA: host µs a call of the opaque ops instead")
     add_step_arguments(parser)
     args = parser.parse_args(argv)
     set_up(quiet_rules=True)
     device = torch.device(args.device)
+    if args.host_calls:
+        if device.type != "cuda":
+            raise SystemExit("--host-calls times the ops' CUDA launches: it needs a GPU")
+        text = header("WTA-CRS opaque ops, host time a call", device) + "; " + host_calls(args, device)
+        return write_report(args.out, "wta_crs_host_calls.md", text)
     variants = backends([args.budget], args.mode)
     chosen = {name: variants[name] for name in ("memopt", f"memopt + WTA-CRS {args.budget}")}
     results = {}
