@@ -18,7 +18,8 @@ returned and dropped, bf16 weights on CUDA (fp32 on CPU). Measured: the median s
 backends' steps alternating so that drift reaches both alike; the peak memory above what was allocated before the
 step (weights and the previous step's gradients; on CPU from the profiler's allocator events); the first step's
 loss of each (the same weights and batch: they agree). From memopt's compile, per rule ("cce", "attention"): how
-many of its candidates were rewritten, and the first reason one was declined.
+many of its candidates were rewritten, and the first reason one was declined; beside CCE's count, the op it chose
+("rowwise", "with_logits" or "chunked"), which most of a family's time ratio comes from.
 
 The table ends with the families that miss the targets: every family gets CCE; every decoder-only LM's peak is at
 most 0.7× torch.compile's at no more than 1.00× its time. A family whose classes the installed transformers lacks
@@ -199,6 +200,8 @@ class Case:
     attention_implementation: str | None = None
     rules: dict[str, str] = dataclasses.field(default_factory=dict)  # rule: "applied N/M"
     declined: dict[str, str] = dataclasses.field(default_factory=dict)  # rule: its first decline reason, whole
+    # the CCE op(s) memopt chose ("rowwise", "with_logits", "chunked"): what a time ratio mostly comes from
+    cce_variant: str = ""
     graphs: int | None = None  # graphs memopt compiled for the step (more than one: graph breaks)
     # memopt's simulation of the step's peak beyond its inputs (``fxpass.Explanation.peak_bytes``), MiB per
     # backend, and what holds memopt's simulated peak (``GraphReport.at_peak``): the model's side of the table
@@ -400,6 +403,10 @@ def record_rules(case: Case, reports: list) -> None:
     for rule in RULES:
         records = [record for report in final for record in report.records if record.rule == rule]
         case.rules[rule] = f"applied {sum(record.applied for record in records)}/{len(records)}"
+        if rule == "cce":
+            chosen = {str(record.params["variant"]) for record in records if record.applied and record.params
+                      and "variant" in record.params}
+            case.cce_variant = ", ".join(sorted(chosen))
         declined = next((record.reason for record in records if not record.applied), None)
         if declined is not None:
             case.declined[rule] = " ".join(declined.split())
@@ -524,6 +531,8 @@ def table(cases: list[Case]) -> str:
             _fmt(case.figure("memopt", "step_ms"), ".1f"), _fmt(case.ratio("step_ms"), ".2f"),
         ]
         rules = [case.rules.get(rule, "-") for rule in RULES]
+        if case.cce_variant:
+            rules[RULES.index("cce")] += f" ({case.cce_variant})"
         lines.append(f"| {case.family} | {case.mask} | {' | '.join(rules + figures)} | {case.note or '-'} |")
     return "\n".join(lines)
 

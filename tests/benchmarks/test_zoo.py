@@ -27,6 +27,7 @@ def assert_both_backends_agree(case: zoo.Case) -> None:
     # the same weights and batch: memopt's fused loss (and attention) give torch.compile's loss
     assert case.runs["memopt"].loss == pytest.approx(case.runs["torch.compile"].loss, rel=1e-4), case
     assert case.rules["cce"] == "applied 1/1", case  # every family's head and loss, the masked LM's too
+    assert case.cce_variant == "with_logits", case  # the step returns its logits: on CPU the op that returns them
     assert case.graphs == 1, case  # the whole step in one graph: no break between head and loss
     # the step simulated under both backends, and what holds memopt's peak named
     assert case.simulated_mib is not None and min(case.simulated_mib.values()) > 0, case
@@ -43,7 +44,7 @@ def test_padded_run_fills_the_table(tmp_path):
         # softcap), which the rule rewrites in both layers
         assert case.rules["attention"] == "applied 2/2", case
     report = (tmp_path / "zoo.md").read_text()
-    assert "| gpt2 | padded | applied 1/1 | applied 2/2 |" in report and "| bert | padded |" in report
+    assert "| gpt2 | padded | applied 1/1 (with_logits) | applied 2/2 |" in report and "| bert | padded |" in report
     assert "Families missing the targets" in report
     assert len(json.loads((tmp_path / "zoo.json").read_text())) == len(cases)
 
