@@ -15,7 +15,8 @@ A step whose kernels take less time than the host needs to launch them waits on 
 measures, instead of the step, the host time of one call of each opaque op a group runs (the draw, the linears,
 the store) at the model's width and token count, beside the bare kernel or GEMM inside it and an empty custom
 op: the calls are only queued, so the loop's time is the host's as long as it is not waiting on the GPU (the
-"wall" column, after a synchronize, says whether it was).
+"wall" column, after a synchronize, says whether it was), then where each op's host time goes (cProfile's
+largest entries by own time).
 """
 
 from __future__ import annotations
@@ -163,8 +164,29 @@ def host_calls(args, device: torch.device, calls: int = 300) -> str:
             torch.cuda.synchronize(device)
             wall = (time.perf_counter() - start) / calls * 1e6
             lines.append(f"| {name} | {host:.1f} | {wall:.1f} |")
+    with torch.no_grad():
+        profiles = [_python_profile(name, call, calls) for name, call in cases.items() if name.startswith("`memopt")]
     state.reset("host_calls")
-    return (f"{rows} token rows of width {width}, {k} sampled, {calls} calls each\n\n" + "\n".join(lines))
+    return (f"{rows} token rows of width {width}, {k} sampled, {calls} calls each\n\n" + "\n".join(lines)
+            + "\n\nWhere each op's host time goes (cProfile, own time, the largest entries):\n\n"
+            + "\n\n".join(profiles))
+
+
+def _python_profile(name: str, call, calls: int, top: int = 12) -> str:
+    """The ``top`` functions by own time over ``calls`` calls of ``call``, as a fenced block under ``name``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    body = text.getvalue().split("ncalls", 1)[-1]
+    return f"{name}:\n\n```\nncalls{body.rstrip()}\n```"
 
 
 def main(argv: list[str] | None = None) -> str:
