@@ -404,8 +404,8 @@ def record_rules(case: Case, reports: list) -> None:
         records = [record for report in final for record in report.records if record.rule == rule]
         case.rules[rule] = f"applied {sum(record.applied for record in records)}/{len(records)}"
         if rule == "cce":
-            chosen = {str(record.params["variant"]) for record in records if record.applied and record.params
-                      and "variant" in record.params}
+            chosen = {str(record.params["variant"]) for record in records
+                      if record.applied and "variant" in record.params}
             case.cce_variant = ", ".join(sorted(chosen))
         declined = next((record.reason for record in records if not record.applied), None)
         if declined is not None:

@@ -22,6 +22,9 @@ CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")
 WTA_CRS_SAMPLINGS: tuple[str, ...] = ("traced", "opaque")
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "memopt")
 PRICINGS: tuple[str, ...] = ("compile", "eager")
+# Recomputation's price of memory, the default of ``wta_crs_max_us_per_mib``: memopt with AOTAutograd's
+# activation_memory_budget freed 1.58 GiB of GPT-2 small's step for 9.8 ms on an H100 (BENCHMARKS.md, "WTA-CRS").
+RECOMPUTE_US_PER_MIB = 6.0
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
 ENV_DISABLE = "MEMOPT_DISABLE"
@@ -112,7 +115,7 @@ class Config:
     force: bool = False
     wta_crs_budget: float | None = None
     wta_crs_min_tokens: int = 256
-    wta_crs_max_us_per_mib: float | None = 6.0
+    wta_crs_max_us_per_mib: float | None = RECOMPUTE_US_PER_MIB
     wta_crs_winners: bool = True
     wta_crs_sampling: str = "traced"
     cce_filter_eps: float | str | None = None

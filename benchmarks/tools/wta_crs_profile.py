@@ -164,7 +164,6 @@ def host_calls(args, device: torch.device, calls: int = 300) -> str:
             torch.cuda.synchronize(device)
             wall = (time.perf_counter() - start) / calls * 1e6
             lines.append(f"| {name} | {host:.1f} | {wall:.1f} |")
-    with torch.no_grad():
         profiles = [_python_profile(name, call, calls) for name, call in cases.items() if name.startswith("`memopt")]
     state.reset("host_calls")
     return (f"{rows} token rows of width {width}, {k} sampled, {calls} calls each\n\n" + "\n".join(lines)

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxpass import liveness, shapes
-from fxpass.config import Config
+from fxpass.config import RECOMPUTE_US_PER_MIB, Config
 from fxpass.graph import (
     ADDMM_TARGETS,
     CROSS_ENTROPY_TARGETS,
@@ -302,9 +302,6 @@ GROUP_OVERHEAD_US = 300.0
 # GPT-2's 36 groups no longer compute took 2.3-2.5 ms on both cards (the same profiles). fp32 at the H100's
 # dense fp32 rate, less what a GEMM realizes.
 GEMM_TFLOPS = {torch.bfloat16: 700.0, torch.float16: 700.0, torch.float32: 50.0}
-# Recomputation's price of memory, for the reason a group is declined: memopt with AOTAutograd's
-# activation_memory_budget freed 1.58 GiB of GPT-2 small's step for 9.8 ms on an H100 (BENCHMARKS.md, "WTA-CRS").
-RECOMPUTE_US_PER_MIB = 6.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,8 +342,8 @@ def weigh(candidate: WtaMatch, decision: Decision, config: Config) -> Decision:
     if limit is None or config.wta_crs_budget is None or device.type != "cuda":
         return decision
     cost = step_cost(candidate, config.wta_crs_budget)
-    freed = decision.priced.saved if decision.priced is not None else decision.memory.saved
-    freed_mib = max(shapes.hint(freed), 0) / 2**20
+    freed = decision.verdict.saved_hint  # the figure the decision weighed: against torch.compile where priced
+    freed_mib = max(freed, 0) / 2**20
     figures = (f"its step cost modelled at {cost.overhead_us:.0f} µs (draw and host work) less "
                f"{cost.gemm_saved_us:.0f} µs of weight-gradient GEMMs its sample skips")
     params = {**decision.params, "extra_step_us": round(cost.extra_us, 1)}
@@ -358,7 +355,7 @@ def weigh(candidate: WtaMatch, decision: Decision, config: Config) -> Decision:
         return dataclasses.replace(decision, reason=reason, params=params)
     reason = (
         f"dearer in time than recomputation: {figures}, {cost.extra_us:.0f} µs a step for the "
-        f"{shapes.format_bytes(shapes.hint(freed))} it frees against torch.compile, {rate:.1f} µs a MiB, above "
+        f"{shapes.format_bytes(freed)} it frees against torch.compile, {rate:.1f} µs a MiB, above "
         f"wta_crs_max_us_per_mib={limit:g} (recomputation: about {RECOMPUTE_US_PER_MIB:g} µs a MiB); "
         "left to torch.compile"
     )
