@@ -41,6 +41,30 @@ def reference_op(name: str) -> Callable[[Callable], torch.library.CustomOpDef]:
     return lambda body: torch.library.custom_op(f"{NAMESPACE}::{name}", body, mutates_args=())
 
 
+# The registrations of ``cuda_kernel``; a Library drops its kernels when it is collected.
+_CUDA_KERNELS = torch.library.Library(NAMESPACE, "IMPL")
+
+
+def cuda_kernel(name: str, *, differentiable: bool) -> Callable[[Callable], Callable]:
+    """Decorator: register the function as ``memopt::<name>``'s CUDA kernel with the dispatcher itself.
+
+    An opaque op runs at every training step, and a ``custom_op``'s implementation (``register_kernel``
+    included) runs beneath its Python layers: the autograd wrapper, a redispatch, the aliasing check, Dynamo's
+    disable wrapper. Registered at the CUDA key, the function is called by the dispatcher directly (the
+    ``custom_op`` stays the schema, fake and CPU implementation). An op that takes no gradient
+    (``differentiable=False``) also falls through autograd on CUDA, so nothing of the ``custom_op`` runs; a
+    differentiable one keeps its autograd formula, which redispatches to this kernel.
+    `benchmarks/tools/wta_crs_profile.py --host-calls` times both paths."""
+
+    def register(fn: Callable) -> Callable:
+        _CUDA_KERNELS.impl(name, fn, "CUDA")
+        if not differentiable:
+            _CUDA_KERNELS.impl(name, torch.library.fallthrough_kernel, "AutogradCUDA")
+        return fn
+
+    return register
+
+
 # Bytes an op allocates inside its kernels, beyond its inputs and outputs, while it runs: what a simulation of the
 # compiled graph (``fxpass/compiled_cost.py``) cannot read from the graph. Keyed by the op's qualified name; each
 # function takes the device type whose implementation runs ("cuda", "cpu") and the op's arguments (fake tensors

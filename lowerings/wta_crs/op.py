@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from lowerings import precompile
-from lowerings._library import HAS_TRITON, interpreting, keep_side_effect, on_cuda, reference_op
+from lowerings._library import HAS_TRITON, cuda_kernel, interpreting, keep_side_effect, on_cuda, reference_op
 from lowerings.wta_crs import reference, state
 
 if HAS_TRITON:
@@ -120,15 +120,23 @@ def wta_crs_draw(
     groups the larger part of WTA-CRS's extra first call on the H200. Opaque, it costs one call a step and
     nothing to compile. On CUDA one Triton program (``kernels.draw``: the estimate's lookup and the draw, no
     sort); elsewhere the reference's lookup and sorted draw, from the same distribution with the same uniforms."""
-    torch._check(norms.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: norms and uniforms are 1-D")
-    torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
+    _check_draw(norms, uniforms)
     norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
     if _use_kernels(norms):
         return _draw_with_kernel(norms, estimate, uniforms, period, winners)
+    return _draw_reference(norms, estimate, uniforms, period, winners)
+
+
+def _draw_reference(norms, estimate, uniforms, period, winners) -> tuple[torch.Tensor, torch.Tensor]:
     positions = reference.positions_of(norms.numel(), period, norms.device)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(positions)
     scores = reference.sampling_scores(norms, grad_estimate)
     return reference.draw(reference.normalize(scores), uniforms, winners)
+
+
+def _check_draw(norms: torch.Tensor, uniforms: torch.Tensor) -> None:
+    torch._check(norms.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: norms and uniforms are 1-D")
+    torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
 
 
 def _draw_with_kernel(norms, estimate, uniforms, period, winners) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +179,10 @@ def wta_crs_linears(
     key: str,
     period: int,
 ) -> list[torch.Tensor]:
+    return _linears(x, weights, biases, bias_of)
+
+
+def _linears(x, weights, biases, bias_of) -> list[torch.Tensor]:
     return [F.linear(x, w, biases[b] if b >= 0 else None) for w, b in zip(weights, bias_of, strict=True)]
 
 
@@ -225,11 +237,15 @@ def wta_crs_store(norms: torch.Tensor, key: str, period: int) -> None:
     instead of taking it as an argument, so nothing in the graph is mutated, and it is marked as having a side
     effect so that no pass drops it for having no output (``keep_side_effect``)."""
     target = state.estimate(key, norms.device).values
+    if _use_kernels(norms):
+        _update_with_kernel(target, norms, period)  # the kernel's write moves no version counter
+    else:
+        _update_reference(target, norms, period)
+
+
+def _update_reference(target: torch.Tensor, norms: torch.Tensor, period: int) -> None:
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
-        if _use_kernels(norms):
-            _update_with_kernel(target, norms, period)
-        else:
-            target.copy_(reference.GradNormEstimate(target).updated(norms, period))
+        target.copy_(reference.GradNormEstimate(target).updated(norms, period))
 
 
 def _update_with_kernel(target: torch.Tensor, norms: torch.Tensor, period: int) -> None:
@@ -242,6 +258,36 @@ def _(norms, key, period):
 
 
 keep_side_effect(wta_crs_store)
+
+
+if HAS_TRITON:
+    # The CUDA kernels of the ops a compiled WTA-CRS step calls every step, registered with the dispatcher
+    # directly (``cuda_kernel``): behind the custom ops' Python layers each call took 60-240 µs of host on an H100
+    # machine (`wta_crs_profile.py --host-calls`), which a step of GPT-2 small waited on. They run on real CUDA
+    # tensors only (tracing's fake tensors stop at their fake implementations), so they need not ask
+    # ``_use_kernels``; under Triton's interpreter they run the PyTorch references.
+
+    @cuda_kernel("wta_crs_draw", differentiable=False)
+    def _draw_on_cuda(norms, estimate, uniforms, period, winners):
+        _check_draw(norms, uniforms)
+        norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
+        if interpreting():
+            return _draw_reference(norms, estimate, uniforms, period, winners)
+        return _draw_with_kernel(norms, estimate, uniforms, period, winners)
+
+    @cuda_kernel("wta_crs_store", differentiable=False)
+    def _store_on_cuda(norms, key, period):
+        target = state.estimate(key, norms.device).values
+        if interpreting():
+            _update_reference(target, norms, period)
+        else:
+            _update_with_kernel(target, norms, period)
+
+    @cuda_kernel("wta_crs_linears", differentiable=True)
+    def _linears_on_cuda(x, weights, biases, bias_of, index, rows, key, period):
+        return _linears(x, weights, biases, bias_of)
+
+    cuda_kernel("wta_crs_sample", differentiable=False)(sample)
 
 
 if HAS_TRITON:

@@ -10,7 +10,14 @@ import random
 
 import pytest
 
-from benchmarks.wta_crs import compile_with_activation_budget, largest_that_runs, main, matched_budget, saved_bytes
+from benchmarks.wta_crs import (
+    compile_with_activation_budget,
+    largest_that_runs,
+    main,
+    matched_budget,
+    saved_bytes,
+    variant_names,
+)
 from tests.leaks import loggers_restored
 
 
@@ -162,3 +169,9 @@ def test_each_activation_budget_compiles_its_own_graph():
         return saved_bytes(lambda: step(inputs).backward(), weights)
 
     assert saved_at(0.0) < saved_at(1.0)
+
+
+def test_variant_names_keep_the_every_group_variant_whole():
+    assert variant_names("memopt,memopt + WTA-CRS 0.3,memopt + WTA-CRS 0.3, every group,torch.compile") == [
+        "memopt", "memopt + WTA-CRS 0.3", "memopt + WTA-CRS 0.3, every group", "torch.compile"
+    ]

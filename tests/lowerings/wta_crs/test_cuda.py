@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -46,6 +48,38 @@ def test_weight_gradient_is_unbiased_through_the_kernels(winners):
     estimates = _weight_grads(x, weight, grad_out, 0.3, 2000, winners=winners, key=f"cuda{winners}")
     z = _z_scores(estimates, grad_out.t() @ x)
     assert z.abs().max() < 5.0, z.abs().max().item()
+
+
+def test_direct_kernels_match_the_custom_op_implementations():
+    """The CUDA kernels the dispatcher calls directly (``cuda_kernel``) compute what the custom ops' own
+    implementations compute: the same sample from the same uniforms, the same estimate update, the same outputs."""
+    from lowerings.wta_crs import state
+
+    custom = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    norms = torch.rand(4096, device="cuda", generator=gen) + 0.1
+    uniforms = torch.rand(1229, device="cuda", generator=gen)
+    estimate = torch.rand(reference.MAX_POSITIONS, device="cuda", generator=gen)
+    draw = torch.ops.memopt.wta_crs_draw.default
+    direct, implemented = draw(norms, estimate, uniforms, 512, True), draw.redispatch(custom, norms, estimate,
+                                                                                     uniforms, 512, True)
+    assert torch.equal(direct[0], implemented[0]) and torch.equal(direct[1], implemented[1])
+
+    store = torch.ops.memopt.wta_crs_store.default
+    for key, call in (("tests:direct", store), ("tests:custom", functools.partial(store.redispatch, custom))):
+        call(norms, key, 512)
+        call(norms * 2, key, 512)
+    torch.testing.assert_close(state.estimate("tests:direct", "cuda").values,
+                               state.estimate("tests:custom", "cuda").values)
+    assert state.estimate("tests:direct", "cuda").values[:512].gt(0).all()
+    reset_estimates()
+
+    x = torch.randn(2, 64, 32, device="cuda", generator=gen)
+    weight, bias = torch.randn(48, 32, device="cuda", generator=gen), torch.randn(48, device="cuda", generator=gen)
+    index, rows = torch.arange(10, device="cuda"), x.reshape(-1, 32)[:10]
+    args = (x, [weight], [bias], [0], index, rows, "tests:direct", 64)
+    linears = torch.ops.memopt.wta_crs_linears.default
+    torch.testing.assert_close(linears(*args)[0], linears.redispatch(custom, *args)[0])
 
 
 # what each ``wta_crs_sampling`` mode leaves in the compiled forward: traced, the opaque draw with the rest of the

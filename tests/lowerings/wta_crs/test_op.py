@@ -267,6 +267,23 @@ def test_draw_rejects_more_slots_than_rows():
         torch.ops.memopt.wta_crs_draw(torch.rand(3), torch.zeros(reference.MAX_POSITIONS), torch.rand(4), 1, True)
 
 
+@pytest.mark.parametrize(("name", "differentiable"), [
+    ("wta_crs_draw", False), ("wta_crs_store", False), ("wta_crs_sample", False), ("wta_crs_linears", True)
+])
+def test_cuda_calls_reach_their_kernels_directly(name, differentiable):
+    """On CUDA the dispatcher calls each op's kernel itself, not the custom op's Python layers (``cuda_kernel``):
+    the ops without a gradient fall through autograd there; the linears keep their autograd formula."""
+    pytest.importorskip("triton")
+    qualname = f"memopt::{name}"
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA")
+    if differentiable:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd")
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "AutogradCUDA")
+    else:
+        assert torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(qualname, "AutogradCUDA")
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU")  # CPU: the custom op's own
+
+
 def test_kernels_match_reference():
     triton = pytest.importorskip("triton")
     del triton
