@@ -679,12 +679,35 @@ def match_line(match: PeakMatch, device: torch.device) -> str:
             f"more ({_memory(other, device)}, {other.step_ms:.1f} ms): no recomputation reaches WTA-CRS's memory; "
             f"WTA-CRS is {ratio:.2f}× budget 0's time{searched}"
         )
-    verdict = "WTA-CRS wins" if ratio < 1 else "recomputation wins"
+    verdict_text = verdict(ratio, _memory_value(wta, device), _memory_value(other, device))
     return (
         f"{wta.model}, {label}: {wta.step_ms:.1f} ms at {_memory(wta, device)}; recomputation at the matched peak "
         f"(activation budget {match.budget:g}): {other.step_ms:.1f} ms at {_memory(other, device)}; WTA-CRS is "
-        f"{ratio:.2f}× its time: {verdict}{searched}"
+        f"{ratio:.2f}× its time: {verdict_text}{searched}"
     )
+
+
+# Memories within this fraction of each other count as one peak: the search's staircase rarely lands closer.
+SAME_PEAK = 0.03
+
+
+def verdict(ratio: float, wta_memory: float | None, recompute_memory: float | None) -> str:
+    """Which tool serves that peak. The matched recomputation keeps at most WTA-CRS's memory, often less (its
+    budgets move memory in steps): where it keeps clearly less yet runs slower, neither dominates."""
+    if ratio >= 1:
+        return "recomputation wins (no slower, at a peak no higher)"
+    if wta_memory and recompute_memory is not None and recompute_memory < (1 - SAME_PEAK) * wta_memory:
+        lower = 1 - recompute_memory / wta_memory
+        return (f"neither wins: WTA-CRS is faster, recomputation's memory {100 * lower:.0f} % lower "
+                "(no activation budget tried lands between)")
+    return "WTA-CRS wins (faster at the same peak)"
+
+
+def _memory_value(result: Result, device: torch.device) -> float | None:
+    """What ``_memory`` prints, as a number: the peak on CUDA, the bytes saved for backward elsewhere."""
+    if device.type == "cuda" and result.peak_gib is not None:
+        return result.peak_gib
+    return result.saved_mib
 
 
 def _memory(result: Result, device: torch.device) -> str:
