@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -338,9 +339,36 @@ def _sum_storages(nodes: Sequence[fx.Node]) -> IntLike:
 
 
 def _describe(node: fx.Node) -> str:
+    """A buffer as the records show it: its node, shape and dtype, then where in the user's model it comes from."""
     value = node.meta["val"]
     dims = ", ".join(shapes.render(s) for s in value.shape)
-    return f"{node.name}: [{dims}] {str(value.dtype).removeprefix('torch.')}"
+    where = _provenance(node)
+    return f"{node.name}: [{dims}] {str(value.dtype).removeprefix('torch.')}" + (f", {where}" if where else "")
+
+
+def _provenance(node: fx.Node) -> str:
+    """The op and module of the user's model a node comes from ("from silu in model.layers.1.mlp"), read from
+    what Dynamo recorded and AOTAutograd carries to the partitioned graphs (a backward node: the forward op it
+    differentiates, "from the backward of linear in lm_head"); "" where nothing was recorded. A node's name alone
+    ("view_18") says nothing of which layer's tensor holds a peak."""
+    meta = node.meta
+    recorded_forward = meta.get("fwd_nn_module_stack") or meta.get("fwd_source_fn_stack")
+    backward = "nn_module_stack" not in meta and bool(recorded_forward)
+    modules = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
+    sources = meta.get("source_fn_stack") or meta.get("fwd_source_fn_stack") or []
+    path = _module_path(next(reversed(modules.values()))[0]) if modules else ""
+    op = re.sub(r"_\d+$", "", str(sources[-1][0])) if sources else ""
+    what = " in ".join(part for part in (op, path) if part)
+    if not what:
+        return ""
+    return f"from the backward of {what}" if backward else f"from {what}"
+
+
+def _module_path(path: str) -> str:
+    """Dynamo's module path without its root ("L['self'].model.layers[1].mlp" → "model.layers.1.mlp")."""
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 
 
 # Ops Inductor runs as kernels of their own rather than fusing: their inputs and outputs are buffers.

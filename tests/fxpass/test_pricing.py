@@ -70,7 +70,7 @@ def test_cce_record_frees_what_the_compiled_step_stops_saving():
     assert against["saved_hint"] == saved
     assert "against torch.compile" in record.reason
     # torch.compile keeps the logits in their own dtype, never fp32 log-probabilities beside them
-    assert any(kept.endswith("[512, 4000] float32") for kept in against["torch.compile keeps"])
+    assert any("[512, 4000] float32" in kept for kept in against["torch.compile keeps"])
     assert len(against["torch.compile keeps"]) <= 4
 
 
