@@ -679,7 +679,7 @@ def match_line(match: PeakMatch, device: torch.device) -> str:
             f"more ({_memory(other, device)}, {other.step_ms:.1f} ms): no recomputation reaches WTA-CRS's memory; "
             f"WTA-CRS is {ratio:.2f}× budget 0's time{searched}"
         )
-    verdict_text = verdict(ratio, _memory_value(wta, device), _memory_value(other, device))
+    verdict_text = verdict(ratio, _memory_value(wta, device)[0], _memory_value(other, device)[0])
     return (
         f"{wta.model}, {label}: {wta.step_ms:.1f} ms at {_memory(wta, device)}; recomputation at the matched peak "
         f"(activation budget {match.budget:g}): {other.step_ms:.1f} ms at {_memory(other, device)}; WTA-CRS is "
@@ -703,17 +703,16 @@ def verdict(ratio: float, wta_memory: float | None, recompute_memory: float | No
     return "WTA-CRS wins (faster at the same peak)"
 
 
-def _memory_value(result: Result, device: torch.device) -> float | None:
-    """What ``_memory`` prints, as a number: the peak on CUDA, the bytes saved for backward elsewhere."""
+def _memory_value(result: Result, device: torch.device) -> tuple[float | None, str]:
+    """The memory a row is compared by, with its unit: the peak on CUDA, the bytes saved for backward elsewhere."""
     if device.type == "cuda" and result.peak_gib is not None:
-        return result.peak_gib
-    return result.saved_mib
+        return result.peak_gib, "GiB"
+    return result.saved_mib, "MiB saved"
 
 
 def _memory(result: Result, device: torch.device) -> str:
-    if device.type == "cuda" and result.peak_gib is not None:
-        return f"{result.peak_gib:.2f} GiB"
-    return f"{result.saved_mib:.2f} MiB saved" if result.saved_mib is not None else "—"
+    value, unit = _memory_value(result, device)
+    return f"{value:.2f} {unit}" if value is not None else "—"
 
 
 def variant_names(text: str) -> list[str]:

@@ -120,23 +120,20 @@ def wta_crs_draw(
     groups the larger part of WTA-CRS's extra first call on the H200. Opaque, it costs one call a step and
     nothing to compile. On CUDA one Triton program (``kernels.draw``: the estimate's lookup and the draw, no
     sort); elsewhere the reference's lookup and sorted draw, from the same distribution with the same uniforms."""
-    _check_draw(norms, uniforms)
+    return _draw(norms, estimate, uniforms, period, winners, with_kernel=_use_kernels(norms))
+
+
+def _draw(norms, estimate, uniforms, period, winners, with_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draw op's body, on the Triton kernel or the reference (the op and its CUDA kernel each say which)."""
+    torch._check(norms.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: norms and uniforms are 1-D")
+    torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
     norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
-    if _use_kernels(norms):
+    if with_kernel:
         return _draw_with_kernel(norms, estimate, uniforms, period, winners)
-    return _draw_reference(norms, estimate, uniforms, period, winners)
-
-
-def _draw_reference(norms, estimate, uniforms, period, winners) -> tuple[torch.Tensor, torch.Tensor]:
     positions = reference.positions_of(norms.numel(), period, norms.device)
     grad_estimate = reference.GradNormEstimate(estimate).lookup(positions)
     scores = reference.sampling_scores(norms, grad_estimate)
     return reference.draw(reference.normalize(scores), uniforms, winners)
-
-
-def _check_draw(norms: torch.Tensor, uniforms: torch.Tensor) -> None:
-    torch._check(norms.dim() == 1 and uniforms.dim() == 1, lambda: "memopt.wta_crs_draw: norms and uniforms are 1-D")
-    torch._check(uniforms.numel() <= norms.numel(), lambda: "memopt.wta_crs_draw: more slots than rows to draw from")
 
 
 def _draw_with_kernel(norms, estimate, uniforms, period, winners) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,14 +233,15 @@ def wta_crs_store(norms: torch.Tensor, key: str, period: int) -> None:
     generate in the backward (the norms stay traced, fused with the gradient's kernels). It names its target
     instead of taking it as an argument, so nothing in the graph is mutated, and it is marked as having a side
     effect so that no pass drops it for having no output (``keep_side_effect``)."""
+    _store(norms, key, period, with_kernel=_use_kernels(norms))
+
+
+def _store(norms: torch.Tensor, key: str, period: int, with_kernel: bool) -> None:
+    """The store op's body, on the Triton kernel (whose write moves no version counter) or the reference."""
     target = state.estimate(key, norms.device).values
-    if _use_kernels(norms):
-        _update_with_kernel(target, norms, period)  # the kernel's write moves no version counter
-    else:
-        _update_reference(target, norms, period)
-
-
-def _update_reference(target: torch.Tensor, norms: torch.Tensor, period: int) -> None:
+    if with_kernel:
+        _update_with_kernel(target, norms, period)
+        return
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(target):
         target.copy_(reference.GradNormEstimate(target).updated(norms, period))
 
@@ -269,19 +267,11 @@ if HAS_TRITON:
 
     @cuda_kernel("wta_crs_draw", differentiable=False)
     def _draw_on_cuda(norms, estimate, uniforms, period, winners):
-        _check_draw(norms, uniforms)
-        norms, uniforms = norms.float().contiguous(), uniforms.float().contiguous()
-        if interpreting():
-            return _draw_reference(norms, estimate, uniforms, period, winners)
-        return _draw_with_kernel(norms, estimate, uniforms, period, winners)
+        return _draw(norms, estimate, uniforms, period, winners, with_kernel=not interpreting())
 
     @cuda_kernel("wta_crs_store", differentiable=False)
     def _store_on_cuda(norms, key, period):
-        target = state.estimate(key, norms.device).values
-        if interpreting():
-            _update_reference(target, norms, period)
-        else:
-            _update_with_kernel(target, norms, period)
+        _store(norms, key, period, with_kernel=not interpreting())
 
     @cuda_kernel("wta_crs_linears", differentiable=True)
     def _linears_on_cuda(x, weights, biases, bias_of, index, rows, key, period):
