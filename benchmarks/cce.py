@@ -82,9 +82,10 @@ def torch_eager(e, c, t):
 
 def _rowwise(e, c, t):
     """``memopt.cce_rowwise``: the gradients taken during the forward (6·N·D·V FLOPs). An fp32 classifier goes
-    in as the graph rewrite hands it over under autocast."""
+    in as the graph rewrite hands it over under autocast: cast, with its own dtype as ∂C's."""
+    kept = {} if c.dtype == e.dtype else {"grad_dtype": c.dtype}
     c = c.to(e.dtype)
-    return torch.ops.memopt.cce_rowwise(e, c, None, t, -100, "mean", 0.0, None, True, True, False)[0]
+    return torch.ops.memopt.cce_rowwise(e, c, None, t, -100, "mean", 0.0, None, True, True, False, **kept)[0]
 
 
 def methods(include: set[str] | None) -> dict[str, Callable[[], LossFn]]:

@@ -1096,7 +1096,7 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
         if candidate.returns_logits and rowwise:  # the op returns the logits too (their gradient: the wrapper)
             fused = add(
                 "call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), True,
-                **transform,
+                **transform, **_grad_dtype_kwargs(candidate),
             )
         elif candidate.returns_logits:  # the filter drops logit-gradient tiles, which the returned logits may fill
             detach = _wrapper_carries_logits(candidate)  # their gradient (the wrapper's) never enters the graph
@@ -1106,7 +1106,8 @@ def apply(gm: fx.GraphModule, candidate: CceMatch, config: Config) -> None:
             )
         elif rowwise:
             fused = add(
-                "call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), **transform
+                "call_function", torch.ops.memopt.cce_rowwise.default, *arguments, *_needs(candidate), **transform,
+                **_grad_dtype_kwargs(candidate),
             )
         else:
             filter_eps = [eps] if (eps := config.cce_filter_for(dtype)) else []
@@ -1144,6 +1145,14 @@ def _transform_kwargs(candidate: CceMatch) -> dict[str, Any]:
     if candidate.transform_logits:
         kwargs["transform_logits"] = True
     return kwargs
+
+
+def _grad_dtype_kwargs(candidate: CceMatch) -> dict[str, Any]:
+    """The row-wise op's ``grad_dtype``: the classifier parameter's dtype where autocast cast it (an fp32 weight
+    keeps its fp32 sum as its own gradient); none where the op's classifier is the parameter (a 16-bit one's ∂C
+    is then rounded at the op's end, as eager's GEMM rounds it)."""
+    parameter = tensor_value(candidate.weight).dtype
+    return {} if parameter == tensor_value(candidate.classifier).dtype else {"grad_dtype": parameter}
 
 
 def _refresh_returned_chains(logits: fx.Node, fake_mode) -> None:

@@ -2,7 +2,7 @@
 
     loss, grad_hidden, grad_weight, grad_bias, logits = torch.ops.memopt.cce_rowwise(
         hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap,
-        need_hidden, need_weight, need_bias, return_logits, scale, divisor, transform_logits)
+        need_hidden, need_weight, need_bias, return_logits, scale, divisor, transform_logits, grad_dtype)
 
 For a scalar loss (``reduction`` "mean" or "sum") the gradient of the loss is known up to the one upstream
 scalar as soon as the logits are: the forward walks the rows in chunks, forms a chunk's logits with one GEMM,
@@ -10,8 +10,16 @@ takes its loss terms and ``softmax − one-hot`` in place, and multiplies that i
 and ∂C (a second GEMM, accumulated in fp32 over chunks), as fused losses do (Liger-Kernel's fused linear
 cross-entropy is the same schedule). The backward only scales the saved gradients by the upstream scalar.
 That is 6·N·D·V FLOPs against the V-chunked op's 8 (its backward recomputes the logits), all of them cuBLAS
-GEMMs on CUDA, at the price of keeping ∂E [N, D], ∂C [V, D] (fp32) and ∂b from forward to backward; the
-rule charges them and picks this variant only where they are worth it (``fxpass/rules/cce.py``).
+GEMMs on CUDA, at the price of keeping ∂E [N, D], ∂C [V, D] and ∂b from forward to backward; the rule charges
+them and picks this variant only where they are worth it (``fxpass/rules/cce.py``).
+
+``grad_dtype``: the dtype ∂C and ∂b are kept in from forward to backward. By default the classifier's own: a
+16-bit classifier's ∂C is summed in fp32 over the chunks and rounded once at the op's end (or taken by slices,
+above), as eager's one GEMM rounds it, so no fp32 ∂C outlives the op (at V = 256000, D = 4096 it is 3.9 GiB). The
+backward's multiplication by the upstream scalar then rounds a second time unless that scalar is a power of two
+(1 for ``loss.backward()``), as ∂E's always has. The rule passes the parameter's dtype where autocast cast an
+fp32 classifier to 16 bits: the fp32 sum is then the parameter's gradient itself, which the compiled backward
+scales in place.
 
 Both devices run the op's chunk loop in an opaque op (it must not be traced: it would guard on the number of
 rows). On CUDA a Triton kernel (``rowwise_kernel.py``) takes a chunk's loss terms and gradient in two reads and
@@ -23,7 +31,9 @@ not computed (``need_*`` come from the rule).
 ``return_logits``: a whole model compiled as it is returns its logits beside the loss. The op then forms all the
 logits with one GEMM (rows padded to 64 columns on CUDA, as Inductor pads them) and returns them, and each chunk's
 gradient is read from them into a chunk-sized buffer: still 6·N·D·V FLOPs, and no logits-sized tensor is saved
-for the backward. The returned logits are not differentiable here. Their own gradient, when a caller uses them,
+for the backward. On CUDA ∂C is then taken by slices of the vocabulary over all the rows (each slice's gradient
+written into the chunk buffer from the rows' log-sum-exp, then one GEMM into ∂C's slice): no fp32 sum, and ∂C
+rounded once as eager's. The returned logits are not differentiable here. Their own gradient, when a caller uses them,
 is added by ``fxpass.returned_logits`` outside the compiled graph, so that logits the caller drops cost no
 backward work and no zero-filled N×V gradient.
 
@@ -43,14 +53,14 @@ from lowerings.cce import reference
 from lowerings.cce.op import _check_inputs
 
 if HAS_TRITON:
-    from lowerings.cce.rowwise_kernel import row_gradient_, scaled_copy
+    from lowerings.cce.rowwise_kernel import column_gradient_, row_gradient_, scaled_copy
 
 SCALAR_REDUCTIONS = ("mean", "sum")
 # A chunk of rows holds its logits and their fp32 copy within 1/FRACTION of the N×V logits (4: each chunk adds
 # its product into the fp32 ∂C, so fewer chunks mean fewer passes over it; 1022 → 2048 rows took V = 128256 from
 # 27.5 to 24.7 ms on the H200, `benchmarks/tools/cce_tune.py --rowwise`), under CHUNK_BYTES
 # (larger on CUDA, where GEMMs want a few hundred rows) or under ∂C's size in the input dtype where that is larger
-# (the backward holds that cast beside the fp32 ∂C, so a chunk up to its size adds nothing to the op's peak:
+# (the op ends holding that cast beside the fp32 sum, so a chunk up to its size adds nothing to the op's peak:
 # V = 256000, D = 2304 then takes 4 chunks instead of 7), and is at least one row.
 FRACTION = 4
 CHUNK_BYTES = {"cuda": 512 << 20, "cpu": 32 << 20}
@@ -127,7 +137,8 @@ def chunk_rows(
 
 
 def _gradient_bytes(vocab, dim, dtype: torch.dtype, need_weight: bool):
-    """∂C [V, D] in the input dtype where the op takes it: the backward's cast of the fp32 sum, alive beside it."""
+    """∂C [V, D] in the input dtype where the op takes it: a 16-bit ∂C's rounded copy, alive beside the fp32 sum
+    at the op's end, where no chunk is."""
     return vocab * dim * dtype.itemsize if need_weight else 0
 
 
@@ -181,13 +192,18 @@ def working_set(
     weight_grad_dtype: torch.dtype | None = None,
 ):
     """Bytes the op keeps beyond its inputs and the loss (and the logits it returns), by name, for the rule's
-    memory model. ``weight_grad_dtype``: the dtype of the gradient the weight itself takes (the parameter's).
-    Where that is the fp32 of ∂C's sum (fp32 weights, autocast's usual fine-tuning setup or fp32 training), ∂C
-    is the weight's gradient itself: the compiled backward scales it in place (donated buffers, measured on the
-    H200) where torch.compile's backward allocates the same fp32 [V, D] while the logits' gradient is alive. It
-    costs nothing extra then, as the speed issue states, and only its padding rows are charged."""
+    memory model. ``weight_grad_dtype``: the dtype the op keeps ∂C in (its ``grad_dtype``: the parameter's where
+    autocast cast an fp32 classifier; None, the classifier's own ``dtype``).
+
+    Kept in 16 bits, ∂C's fp32 sum is a transient of the op, and ∂C is saved at half its size; with returned
+    logits on CUDA there is no fp32 sum (``_weight_gradient_by_columns_``). Kept in the
+    compute dtype (fp32 weights, under autocast or not), the sum is the weight's gradient itself: the compiled
+    backward scales it in place (donated buffers: the backward's peak above its start was 92 MiB for a 1002 MiB
+    gradient on the H200) where torch.compile's backward allocates the same fp32 [V, D] while the logits'
+    gradient is alive, so only its padding rows are charged."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
+    kept = dtype if weight_grad_dtype is None else weight_grad_dtype
     in_place = _gradient_in_place(device.type, dtype)
     cast_bytes = _gradient_bytes(vocab, dim, dtype, need_weight)
     rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
@@ -210,16 +226,26 @@ def working_set(
         )
     if need_bias and _kernel_serves(device.type, dtype):
         terms["transient (forward): a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
-    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * acc if need_bias else 0)
-    if need_weight and weight_grad_dtype == reference.compute_dtype(dtype):
+    saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * kept.itemsize if need_bias else 0)
+    by_columns = need_weight and returns_logits and _kernel_serves(device.type, dtype)
+    if by_columns:  # the slices' sweep works in the chunk's buffer; the row kernel stores each row's lse for it
+        terms["transient (forward): the rows' log-sum-exp [N] (fp32), for ∂C's column slices"] = n_rows * 4
+    if not need_weight:
         terms["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] = saved
-        terms[WEIGHT_GRADIENT_ITSELF] = (width - vocab) * dim * acc
+    elif kept.itemsize < acc:
+        if by_columns:  # ∂C's slices rounded once each: no fp32 sum, only ∂b's
+            terms["transient (forward): ∂b's fp32 sum [V]"] = vocab * acc if need_bias else 0
+        else:
+            terms[FP32_SUM] = width * dim * acc + (vocab * acc if need_bias else 0)
+        terms[KEPT_16_BIT] = saved + vocab * dim * kept.itemsize
     else:
-        saved = saved + (width * dim * acc if need_weight else 0)
-        terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"] = saved
+        terms["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] = saved
+        terms[WEIGHT_GRADIENT_ITSELF] = 0 if by_columns else (width - vocab) * dim * acc
     return terms
 
 
+FP32_SUM = "transient (forward): ∂C's and ∂b's fp32 sums [V, D], rounded to 16 bits at the op's end"
+KEPT_16_BIT = "saved: the loss's gradients ∂E [N, D], ∂C [V, D] and ∂b in 16 bits, taken in the forward"
 WEIGHT_GRADIENT_ITSELF = (
     "saved: ∂C [V, D] (fp32), taken in the forward, the weight's fp32 gradient itself (torch.compile allocates it "
     "in the backward): its padding rows only"
@@ -280,6 +306,11 @@ def _chunk_gradient_(
     return loss.sum()
 
 
+def kept_dtype(weight_dtype: torch.dtype, grad_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the op keeps ∂C (and ∂b) in from forward to backward: ``grad_dtype``, else the classifier's."""
+    return weight_dtype if grad_dtype is None else grad_dtype
+
+
 @reference_op("cce_rowwise")
 def cce_rowwise(
     hidden: torch.Tensor,
@@ -297,6 +328,7 @@ def cce_rowwise(
     scale: float = 1.0,
     divisor: float = 1.0,
     transform_logits: bool = False,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_inputs(hidden, weight, bias, targets, reduction, label_smoothing, softcap, scale, divisor)
     torch._check(reduction in SCALAR_REDUCTIONS, lambda: "memopt.cce_rowwise: the loss must be a scalar (mean or sum)")
@@ -310,8 +342,11 @@ def cce_rowwise(
     # GPT-2's loss shape on the H200: 30.8 against 9.7 ms).
     width = padded_vocab(vocab, hidden.device.type)
     weight_rows, bias_rows = padded_rows(weight, width), padded_rows(bias, width)
+    fused = _kernel_serves(hidden.device.type, hidden.dtype)
+    # ∂C by slices of the vocabulary over every row, from the returned logits (no fp32 sum), or summed over chunks
+    by_columns = fused and return_logits and need_weight and n_rows > 0
     grad_weight_rows = weight.new_empty(0)
-    if need_weight:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is zero
+    if need_weight and not by_columns:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is 0
         grad_weight_rows = (weight.new_empty if n_rows else weight.new_zeros)((width, weight.shape[1]), dtype=acc)
     grad_bias = weight.new_zeros(vocab, dtype=acc) if need_bias and bias is not None else weight.new_empty(0)
     valid = reference.valid_rows(targets, ignore_index)
@@ -319,7 +354,7 @@ def cce_rowwise(
     mean = 1.0 / valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
     grad_scale = torch.nan_to_num(mean, posinf=0.0)  # no valid row: a NaN loss, zero gradients, as PyTorch
     total = torch.zeros((), dtype=acc, device=hidden.device)
-    fused = _kernel_serves(hidden.device.type, hidden.dtype)
+    lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device) if by_columns else None
     multiplier = scale / divisor  # the logit scale m
     transform = return_logits and transform_logits and (scale, divisor, softcap) != (1.0, 1.0, None)
     step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, hidden.device.type)
@@ -340,7 +375,7 @@ def cce_rowwise(
         if fused:  # loss terms and the scaled gradient in one kernel (in place unless the logits are returned)
             terms = row_gradient_(
                 logits, targets[rows], ignore_index, label_smoothing, softcap, grad_scale, source, multiplier,
-                transform,
+                transform and not by_columns, None if lse is None else lse[rows],
             )
             total += terms.sum()
             if grad_bias.numel():  # from the gradient as the GEMMs see it, rounded, as the eager backward sums it
@@ -359,27 +394,85 @@ def cce_rowwise(
                 reference.transform_logits_(source, scale, divisor, softcap)
         if need_hidden:
             torch.mm(padded, weight_rows, out=grad_hidden[rows])
-        if need_weight:
+        if need_weight and not by_columns:
             _add_product_(grad_weight_rows, padded.t(), hidden[rows], first=start == 0)
         if grad_bias.numel() and not fused:
             grad_bias += grad.sum(dim=0)
         # drop this chunk's buffers before the next chunk's GEMM allocates, or two chunks are alive at once
         padded = logits = grad = None
-    grad_weight = grad_weight_rows[:vocab] if need_weight else grad_weight_rows
+    # ∂C and ∂b in the dtype they are kept in: a 16-bit classifier's rounded once here (``grad_dtype``); an fp32
+    # ∂C stays the padded sum's view (its padding rows dropped only by a copy)
+    kept = kept_dtype(weight.dtype, grad_dtype)
+    if by_columns:
+        grad_weight = weight.new_empty(weight.shape, dtype=kept)
+        buffer, chunk_buffer = chunk_buffer, None
+        _weight_gradient_by_columns_(
+            grad_weight, buffer, all_logits[:, :vocab], hidden, targets, lse, ignore_index, label_smoothing,
+            softcap, grad_scale, multiplier, transform,
+        )
+    else:
+        grad_weight = grad_weight_rows[:vocab].to(kept) if need_weight else grad_weight_rows
+    grad_bias = grad_bias.to(kept_dtype(bias.dtype, grad_dtype)) if grad_bias.numel() else grad_bias
     returned = all_logits[:, :vocab] if all_logits is not None else hidden.new_empty(0)
     return total * mean, grad_hidden, grad_weight, grad_bias, returned
 
 
+def column_width(n_rows: int, vocab: int, buffer_elements: int) -> int:
+    """Columns of a slice of the vocabulary in ``_weight_gradient_by_columns_``: the chunk buffer's room for every
+    row, a multiple of ROW_ALIGN (∂C's slice GEMM has that many output rows), at least ROW_ALIGN."""
+    fits = buffer_elements // max(n_rows, 1) // ROW_ALIGN * ROW_ALIGN
+    return max(ROW_ALIGN, min(padded_vocab(vocab, "cuda"), fits))
+
+
+def _weight_gradient_by_columns_(
+    grad_weight: torch.Tensor,
+    buffer: torch.Tensor,
+    logits: torch.Tensor,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    grad_scale: torch.Tensor,
+    logit_scale: float,
+    transform: bool,
+) -> None:
+    """∂C = Gᵀ·E into ``grad_weight`` [V, D], a slice of the vocabulary at a time: the slice's gradient for every
+    row from the returned ``logits`` and each row's log-sum-exp (``column_gradient_``, in the chunk ``buffer``'s
+    memory), then one GEMM over all the rows, rounded once into ∂C's dtype as eager's backward GEMM is. No fp32
+    sum over row chunks: each chunk's GEMM read and wrote it (at Cohere's head, V = 256000, D = 4096, 3.9 GiB a
+    pass), and a 16-bit ∂C was its cast beside it. The slices' sweep reads the logits once more and, with
+    ``transform``, leaves them transformed."""
+    n_rows, vocab = logits.shape
+    columns = column_width(n_rows, vocab, buffer.numel())
+    if n_rows * columns > buffer.numel():  # (a buffer too small for ROW_ALIGN columns of every row)
+        buffer = hidden.new_empty(n_rows * columns)
+    slices = buffer.view(-1)[: n_rows * columns].view(n_rows, columns)
+    for first in range(0, vocab, columns):
+        last = min(first + columns, vocab)
+        gradient = slices[:, : last - first]
+        column_gradient_(
+            gradient, logits, first, targets, lse, ignore_index, label_smoothing, softcap, grad_scale,
+            logit_scale, transform,
+        )
+        _add_product_(grad_weight[first:last], gradient.t(), hidden, first=True)
+
+
 @cce_rowwise.register_fake
 def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden, need_weight,
-      need_bias, return_logits=False, scale=1.0, divisor=1.0, transform_logits=False):
+      need_bias, return_logits=False, scale=1.0, divisor=1.0, transform_logits=False, grad_dtype=None):
     acc = reference.compute_dtype(hidden.dtype)
     rows, vocab = hidden.shape[0], weight.shape[0]
     return (
         hidden.new_empty((), dtype=acc),
         hidden.new_empty(hidden.shape) if need_hidden else hidden.new_empty(0),
-        weight.new_empty(weight.shape, dtype=acc) if need_weight else weight.new_empty(0),
-        weight.new_empty(weight.shape[0], dtype=acc) if need_bias and bias is not None else weight.new_empty(0),
+        weight.new_empty(weight.shape, dtype=kept_dtype(weight.dtype, grad_dtype))
+        if need_weight
+        else weight.new_empty(0),
+        weight.new_empty(weight.shape[0], dtype=kept_dtype(bias.dtype, grad_dtype))
+        if need_bias and bias is not None
+        else weight.new_empty(0),
         # the padded rows' view, strides and all: Inductor checks a custom op's output strides against these
         hidden.new_empty_strided((rows, vocab), (padded_vocab(vocab, hidden.device.type), 1))
         if return_logits
@@ -389,15 +482,17 @@ def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, s
 
 @workspace("cce_rowwise")
 def forward_workspace(device_type: str, hidden, weight, bias, targets, ignore_index, reduction, label_smoothing,
-                      softcap, need_hidden, need_weight, need_bias, return_logits=False, *_):
+                      softcap, need_hidden, need_weight, need_bias, return_logits=False, scale=1.0, divisor=1.0,
+                      transform_logits=False, grad_dtype=None):
     """What the op allocates inside while it runs (``working_set``'s transient terms): its chunk of logits, the
-    classifier padded on CUDA, a chunk's ∂C product off CUDA. All of it dies before the op returns, beside the
+    classifier padded on CUDA, a chunk's ∂C product off CUDA, ∂C's fp32 sum where ∂C is kept in 16 bits. All of
+    it dies before the op returns, beside the
     results it writes, where the simulation charges it (``fxpass/compiled_cost.py``). Charged as the backward
     starts instead, the op's record at the Llama-3.2-1B head (8192 × 128256 × 2048, bf16) said it freed 501 MiB
     against torch.compile, where `benchmarks/cce.py` measured 1002 on the H200."""
     needs = (need_hidden, need_weight, need_bias and bias is not None)
     terms = working_set(hidden.shape[0], weight.shape[0], weight.shape[1], hidden.dtype, torch.device(device_type),
-                        needs, return_logits)
+                        needs, return_logits, kept_dtype(weight.dtype, grad_dtype))
     return transient_bytes(terms)
 
 
@@ -405,25 +500,37 @@ if HAS_TRITON:
 
     @precompile.warmer("cce_rowwise")
     def _(hidden, weight, bias, targets, ignore_index, reduction, label_smoothing, softcap, need_hidden,
-          need_weight, need_bias, return_logits=False, scale=1.0, divisor=1.0, transform_logits=False):
-        """The chunk kernel at each chunk height the op's loop takes on CUDA (the last may be shorter). Its
-        backward's scaling is traced, hence Inductor's to compile."""
+          need_weight, need_bias, return_logits=False, scale=1.0, divisor=1.0, transform_logits=False,
+          grad_dtype=None):
+        """The chunk kernel at each chunk height the op's loop takes on CUDA (the last may be shorter), and with
+        returned logits the column sweep of ∂C's slices. Its backward's scaling is traced, hence Inductor's to
+        compile."""
         n_rows, vocab = hidden.shape[0], weight.shape[0]
-        acc = reference.compute_dtype(hidden.dtype)
-        for needed, leaf in ((need_weight, weight), (need_bias, bias)):  # the backward's ``scaled_cast``
-            if needed and leaf is not None and leaf.dtype.itemsize < acc.itemsize:
-                scaled_copy(leaf.new_empty(leaf.shape, dtype=acc), leaf.new_empty((), dtype=acc), leaf.dtype)
         if not n_rows or not _kernel_serves("cuda", hidden.dtype):
             return
         step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, "cuda")
         width = padded_vocab(vocab, "cuda")
         grad_scale = hidden.new_empty((), dtype=reference.compute_dtype(hidden.dtype))
+        by_columns = return_logits and need_weight
+        targets = targets.long()
         for rows in {min(step, n_rows), n_rows - (n_rows - 1) // step * step}:
             source = hidden.new_empty(rows, width)[:, :vocab] if return_logits else None
             logits = hidden.new_empty(rows, width)[:, :vocab]
+            lse = hidden.new_empty(rows, dtype=torch.float32) if by_columns else None
             row_gradient_(
-                logits, targets.long()[:rows], ignore_index, label_smoothing, softcap, grad_scale, source,
-                scale / divisor, return_logits and transform_logits,
+                logits, targets[:rows], ignore_index, label_smoothing, softcap, grad_scale, source,
+                scale / divisor, return_logits and transform_logits and not by_columns, lse,
+            )
+        if not by_columns:
+            return
+        # the column sweep's two slice widths (a first slice, a last one), one row each: the grid is not specialized
+        columns = column_width(n_rows, vocab, min(step, n_rows) * width)
+        for first in {0, (vocab - 1) // columns * columns}:
+            last = min(first + columns, vocab)
+            out = hidden.new_empty(1, columns)[:, : last - first]
+            column_gradient_(
+                out, hidden.new_empty(1, width)[:, :vocab], first, targets[:1], grad_scale.new_empty(1),
+                ignore_index, label_smoothing, softcap, grad_scale, scale / divisor, transform_logits,
             )
 
 
@@ -439,62 +546,19 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _scaled(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``saved · grad_loss`` rounded once to ``dtype``, in one pass (an fp32 product then a cast would write
-    and read ∂C's fp32 size once more: 1 GiB at V = 128256, D = 2048). Into a narrower dtype (∂C's fp32 for a
-    16-bit classifier) the opaque ``memopt::cce_scaled_cast`` does it where the backward starts, so the fp32
-    gradient dies there (``scaled_cast``). Otherwise, traced, Inductor fuses it into its reader; run eagerly on
-    CUDA, a Triton kernel does (``rowwise_kernel.scaled_copy``)."""
-    if dtype.itemsize < saved.dtype.itemsize:
-        return torch.ops.memopt.cce_scaled_cast(saved, grad_loss, dtype)
+    """``saved · grad_loss`` in ``dtype`` (the input's), in one pass. Traced, Inductor fuses it into its reader or
+    writes it over the saved buffer, which AOTAutograd donates (with an fp32 classifier under autocast, the cast
+    back to fp32 fuses in too, so the kept fp32 sum becomes the parameter's gradient in place); run eagerly on
+    CUDA, a Triton kernel does it (``rowwise_kernel.scaled_copy``)."""
     if HAS_TRITON and saved.is_cuda and saved.is_contiguous() and not tracing():
         return scaled_copy(saved, grad_loss.reshape(()), dtype)
     return torch.mul(saved, grad_loss, out=saved.new_empty(saved.shape, dtype=dtype))
 
 
-@reference_op("cce_scaled_cast")
-def scaled_cast(saved: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``saved · grad_loss`` in the narrower ``dtype``, as an op Inductor cannot fuse into a later kernel.
-
-    Traced, the product and its cast are pointwise, and Inductor computes them inside their reader. Where that
-    reader is the sum of a tied classifier's two gradients, it runs at the backward's end, and the saved fp32 ∂C
-    stays alive through the whole backward beside the embedding's own fp32 gradient. Cast here, it is half that
-    size from the backward's start on, for a moment beside the fp32 ∂C (one more V·D·2 there). The whole steps of
-    2-block models at 8 × 1024 tokens, simulated for a GPU (`benchmarks/zoo.py --predict-only`): Cohere's peak
-    14960 → 12242 MiB (V = 256000, D = 4096), Gemma 2 10022 → 9168, Gemma 9468 → 9081; Llama-3.2-1B's, which
-    is where the backward starts, 4805 → 4853; untied classifiers unchanged."""
-    if HAS_TRITON and saved.is_cuda and saved.is_contiguous():
-        return scaled_copy(saved, grad_loss.reshape(()), dtype)
-    out = saved.new_empty(saved.shape, dtype=dtype)
-    # In blocks: a product written into a narrower ``out`` goes through a temporary of the product's dtype, which
-    # for the whole of ∂C would be its fp32 size again.
-    source, target = saved.reshape(-1), out.view(-1)
-    for start in range(0, source.numel(), SCALED_CAST_ELEMENTS):
-        block = slice(start, start + SCALED_CAST_ELEMENTS)
-        torch.mul(source[block], grad_loss, out=target[block])
-    return out
-
-
-# Elements per block of ``scaled_cast`` off the Triton kernel (its fp32 temporary: 4 MiB).
-SCALED_CAST_ELEMENTS = 1 << 20
-
-
-@scaled_cast.register_fake
-def _(saved, grad_loss, dtype):
-    return saved.new_empty(saved.shape, dtype=dtype)
-
-
-@workspace("cce_scaled_cast")
-def scaled_cast_workspace(device_type: str, saved, *_):
-    """The product's block in its own dtype off CUDA; the CUDA kernel writes the narrower result directly."""
-    if device_type == "cuda":
-        return 0
-    return torch.sym_min(saved.numel(), SCALED_CAST_ELEMENTS) * saved.dtype.itemsize
-
-
 def _backward(ctx, grad_loss, *_):
     """The upstream scalar times the gradients the forward took; nothing else is computed."""
     if grad_loss is None:  # (gradients are not materialized: an output other than the loss was differentiated)
-        return (None,) * 15
+        return (None,) * 16
     grads = []
     names = ("hidden", "weight", "bias")
     for name, saved, dtype, taken, needed in zip(
@@ -503,7 +567,7 @@ def _backward(ctx, grad_loss, *_):
         if needed and not taken:  # a gradient silently left out would be a wrong answer
             raise RuntimeError(f"memopt.cce_rowwise: {name} needs a gradient but was told need_{name}=False")
         grads.append(_scaled(saved, grad_loss, dtype) if needed and dtype is not None else None)
-    return (*grads, *[None] * 12)
+    return (*grads, *[None] * 13)
 
 
 cce_rowwise.register_autograd(_backward, setup_context=_setup_context)

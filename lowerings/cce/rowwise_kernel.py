@@ -10,6 +10,10 @@ their dtype, ready for the two gradient GEMMs. One program owns one row.
 A logit scale m multiplies the logits before the softcap (x·m, then c·tanh(x·m/c)) and the gradient by the chain
 rule. Where the op returns the logits as the loss sees them (``TRANSFORM``), the second sweep writes them back over
 the returned logits it reads: the transform costs one store and no pass of its own.
+
+Where the op returns the logits, all of them are in memory, and ∂C = Gᵀ·E is taken a slice of the vocabulary at a
+time over every row, one GEMM rounded once as eager's, instead of a sum over row chunks in fp32 (``column_gradient_``:
+the same second sweep over a slice of columns, from each row's log-sum-exp, which the row kernel stores).
 """
 
 from __future__ import annotations
@@ -80,13 +84,15 @@ def _write_gradient(
 
 @triton.jit
 def _row_gradient_kernel(
-    SRC, Z, targets, losses, scale_ptr,
+    SRC, Z, targets, losses, scale_ptr, LSE,
     vocab, stride_src, stride_zn, ignore_index,
     smoothing_keep, smoothing_spread, smoothing, softcap, logit_scale,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr, WRITE_LSE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Row ``program_id``: its loss term into ``losses`` and the scaled gradient of its logits (read from ``SRC``)
-    into ``Z``, which may be ``SRC`` itself (then not ``TRANSFORM``)."""
+    into ``Z``, which may be ``SRC`` itself (then not ``TRANSFORM``); with ``WRITE_LSE`` its log-sum-exp into
+    ``LSE``."""
     smoothing_keep, smoothing_spread = as_fp32(smoothing_keep), as_fp32(smoothing_spread)
     smoothing, softcap, logit_scale = as_fp32(smoothing), as_fp32(softcap), as_fp32(logit_scale)
     row = tl.program_id(0).to(tl.int64)
@@ -115,6 +121,8 @@ def _row_gradient_kernel(
         if HAS_SMOOTHING:
             logit_sum += tl.where(inside, z, 0.0)
     lse = (running_max + tl.log2(tl.sum(running_sum, axis=0))) / LOG2E
+    if WRITE_LSE:
+        tl.store(LSE + row, lse)
     safe_target = tl.where(valid, target, 0)
     target_logit, _ = _capped(tl.load(source + safe_target), softcap, logit_scale, HAS_SOFTCAP)
     loss = lse - target_logit
@@ -145,13 +153,15 @@ def row_gradient_(
     source: torch.Tensor | None = None,
     logit_scale: float = 1.0,
     transform: bool = False,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Overwrite ``logits`` [rows, V] (contiguous rows) with ``scale · ∂loss/∂logits`` and return the rows' loss
     terms [rows] in fp32 (0 on ignored rows). ``scale`` is a one-element tensor on the logits' device: the mean's
     1 / (valid rows) is known on the device only. With ``source`` (logits of the same shape, rows contiguous) the
     logits are read from there and ``logits`` is only written: the returned-logits case, whose logits must stay,
     or with ``transform`` become c·tanh(x·m/c). The loss is taken over the logits times ``logit_scale`` m (then
-    softcapped), and the gradient is w.r.t. the logits as read."""
+    softcapped), and the gradient is w.r.t. the logits as read. ``lse`` [rows] (fp32), where given, receives each
+    row's log-sum-exp, for ``column_gradient_``."""
     rows, vocab = logits.shape
     torch._check(not transform or source is not None, lambda: "row_gradient_: transform needs returned logits")
     source = logits if source is None else source
@@ -160,13 +170,75 @@ def row_gradient_(
         return losses
     keep = 1.0 - label_smoothing
     eager(_row_gradient_kernel)[(rows,)](
-        source, logits, targets, losses, scale,
+        source, logits, targets, losses, scale, losses if lse is None else lse,
         vocab, source.stride(0), logits.stride(0), ignore_index,
         keep, label_smoothing / vocab, label_smoothing, softcap if softcap is not None else 1.0, logit_scale,
         HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0, TRANSFORM=transform,
-        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)), num_warps=NUM_WARPS,
+        WRITE_LSE=lse is not None, BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)), num_warps=NUM_WARPS,
     )
     return losses
+
+
+@triton.jit
+def _column_gradient_kernel(
+    SRC, G, targets, LSE, scale_ptr,
+    first, end, stride_src, stride_g, ignore_index,
+    smoothing_keep, smoothing_spread, softcap, logit_scale,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, TRANSFORM: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Row ``program_id(0)``, tile ``program_id(1)`` of the columns [first, end): the row kernel's second sweep
+    over that tile, from the row's stored log-sum-exp, written into ``G`` from its column 0."""
+    smoothing_keep, smoothing_spread = as_fp32(smoothing_keep), as_fp32(smoothing_spread)
+    softcap, logit_scale = as_fp32(softcap), as_fp32(logit_scale)
+    row = tl.program_id(0).to(tl.int64)
+    start = first + tl.program_id(1) * BLOCK_V
+    source = SRC + row * stride_src
+    base = G + row * stride_g - first
+    target = tl.load(targets + row).to(tl.int64)
+    valid = target != ignore_index
+    safe_target = tl.where(valid, target, 0)
+    scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32) * logit_scale, 0.0)
+    offset = tl.load(LSE + row) * LOG2E - tl.log2(scale)
+    keep = smoothing_keep * scale
+    spread = smoothing_spread * scale
+    cols = tl.arange(0, BLOCK_V)
+    if start + BLOCK_V <= end:
+        _write_gradient(source, base, start, cols, end, safe_target, offset, keep, spread, softcap, logit_scale,
+                        False, HAS_SOFTCAP, HAS_SMOOTHING, TRANSFORM)
+    else:
+        _write_gradient(source, base, start, cols, end, safe_target, offset, keep, spread, softcap, logit_scale,
+                        True, HAS_SOFTCAP, HAS_SMOOTHING, TRANSFORM)
+
+
+def column_gradient_(
+    out: torch.Tensor,
+    source: torch.Tensor,
+    first: int,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    scale: torch.Tensor,
+    logit_scale: float = 1.0,
+    transform: bool = False,
+) -> None:
+    """Write ``scale · ∂loss/∂logits`` of the columns [first, first + out.shape[1]) of every row of ``source``
+    [rows, V] (the returned logits, rows contiguous) into ``out`` [rows, columns], as ``row_gradient_`` writes a
+    row's, from each row's log-sum-exp ``lse`` (fp32, stored by ``row_gradient_``). ``transform``: those columns
+    of ``source`` become c·tanh(x·m/c) as they are read."""
+    rows, vocab = source.shape
+    columns = out.shape[1]
+    if rows == 0 or columns == 0:
+        return
+    block = min(BLOCK_V, triton.next_power_of_2(columns))
+    eager(_column_gradient_kernel)[(rows, triton.cdiv(columns, block))](
+        source, out, targets, lse, scale,
+        first, first + columns, source.stride(0), out.stride(0), ignore_index,
+        1.0 - label_smoothing, label_smoothing / vocab, softcap if softcap is not None else 1.0, logit_scale,
+        HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=label_smoothing != 0.0, TRANSFORM=transform,
+        BLOCK_V=block, num_warps=NUM_WARPS,
+    )
 
 
 @triton.jit

@@ -197,7 +197,8 @@ def _precompile_cce(op: str, softcap: float | None) -> Precompiled:
 
 
 def _precompile_cce_rowwise(return_logits: bool) -> Precompiled:
-    """``cce_rowwise``: the chunk kernel over the op's chunks, the last one shorter."""
+    """``cce_rowwise``: the chunk kernel over the op's chunks, the last one shorter; with returned logits the
+    column sweep over ∂C's slices, the last one narrower."""
     from lowerings.cce import rowwise, rowwise_kernel
 
     n = rowwise.MIN_GEMM_ROWS + 76 if return_logits else 103  # returned logits: chunks of at least MIN_GEMM_ROWS
@@ -213,11 +214,21 @@ def _precompile_cce_rowwise(return_logits: bool) -> Precompiled:
         width = rowwise.padded_vocab(3000, "cuda")
         every = torch.zeros(n, width, dtype=torch.bfloat16) if return_logits else None
         buffer = torch.zeros(step, width, dtype=torch.bfloat16)
+        lse = torch.zeros(n) if return_logits else None
         for start in range(0, n, step):
             rows = slice(start, min(start + step, n))
             source = every[rows, :3000] if return_logits else None
             logits = buffer[: rows.stop - start, :3000]
-            rowwise_kernel.row_gradient_(logits, targets[rows], -100, 0.1, None, torch.ones(()), source)
+            rowwise_kernel.row_gradient_(logits, targets[rows], -100, 0.1, None, torch.ones(()), source, 1.0, False,
+                                         None if lse is None else lse[rows])
+        if return_logits:  # ∂C's column sweep, slice by slice, as _weight_gradient_by_columns_ runs it
+            columns = rowwise.column_width(n, 3000, buffer.numel())
+            assert 3000 % columns, "the case must have two slice widths"
+            slices = buffer.view(-1)[: n * columns].view(n, columns)
+            for first in range(0, 3000, columns):
+                out = slices[:, : min(columns, 3000 - first)]
+                rowwise_kernel.column_gradient_(out, every[:, :3000], first, targets, lse, -100, 0.1, None,
+                                                torch.ones(()))
 
     return calls, launch
 

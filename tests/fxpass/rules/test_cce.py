@@ -405,7 +405,7 @@ class GraphModule(torch.nn.Module):
         to: "bf16[6, 8]cpu" = reshape.to(torch.bfloat16);  reshape = None
         to_1: "bf16[40, 8]cpu" = l_weight_.to(torch.bfloat16);  l_weight_ = None
         to_2: "bf16[40]cpu" = l_bias_.to(torch.bfloat16);  l_bias_ = None
-        cce_rowwise_default = torch.ops.memopt.cce_rowwise.default(to, to_1, to_2, view_1, -100, 'mean', 0.0, None, True, True, True, True);  to_1 = to_2 = view_1 = None
+        cce_rowwise_default = torch.ops.memopt.cce_rowwise.default(to, to_1, to_2, view_1, -100, 'mean', 0.0, None, True, True, True, True, grad_dtype = torch.float32);  to_1 = to_2 = view_1 = None
         getitem: "f32[]cpu" = cce_rowwise_default[0]
         getitem_1: "bf16[6, 40]cpu" = cce_rowwise_default[4];  cce_rowwise_default = None
         view_2: "bf16[2, 3, 40]cpu" = getitem_1.view(2, 3, -1);  getitem_1 = None
@@ -638,8 +638,8 @@ class TestVariant(TestCase):
     def test_auto_weighs_the_variants_against_torch_compile(self):
         """The 3/4 rule on what each variant frees against torch.compile, not on the graph as written: there the
         fp32 log-probabilities eager would keep make the row-wise op look as good as the chunked one (63.2 against
-        71.2 MiB here), where torch.compile keeps only the bf16 logits and the row-wise op's fp32 ∂C [V, D] costs
-        most of them at D = 384. Each figure in the reason is the one the forced variant's record carries, and the
+        71.2 MiB here), where torch.compile keeps only the bf16 logits and the row-wise op's ∂C [V, D] (kept in
+        bf16, summed in fp32 inside the op) costs most of them at D = 384. Each figure in the reason is the one the forced variant's record carries, and the
         op applied is the chosen one."""
         vocab, dim, tokens = 8192, 384, 1024
         fn, _ = self._loss(vocab=vocab, dim=dim, dtype=torch.bfloat16)
@@ -833,9 +833,10 @@ class TestVariant(TestCase):
 
     def test_a_head_heavy_graph_keeps_the_detached_op_where_the_row_wise_one_frees_under_half(self):
         """Other matmuls 2× the classifier's (head-heavy, not alone), a wide classifier over few tokens: the
-        row-wise op's fp32 ∂C leaves it under half of what ``cce_with_logits`` frees against torch.compile (as
-        Falcon's V = 65024, D = 4544 head), so ``cce_with_logits`` serves the returned logits, with both figures."""
-        vocab, dim = 8192, 256
+        row-wise op's ∂C [V, D], 3/4 of the logits' [N, V] size here, leaves it under half of what
+        ``cce_with_logits`` frees against torch.compile, so ``cce_with_logits`` serves the returned logits, with
+        both figures."""
+        vocab, dim, tokens = 8192, 768, 1024
         torch.manual_seed(0)
         body = self._mlp(dim, vocab).to(torch.bfloat16)  # 2·2·dim·vocab: twice the classifier's 2·dim·vocab
         weight = nn.Parameter((torch.randn(vocab, dim) * 0.02).to(torch.bfloat16))
@@ -844,12 +845,12 @@ class TestVariant(TestCase):
             logits = F.linear(body(h), weight)
             return logits, F.cross_entropy(logits.float().view(-1, vocab), t.view(-1))
 
-        hidden = torch.randn(1, 1024, dim, dtype=torch.bfloat16, requires_grad=True)
-        ex = rewritten(fn, hidden, torch.randint(0, vocab, (1, 1024)), force=False, cce_variant="auto",
+        hidden = torch.randn(1, tokens, dim, dtype=torch.bfloat16, requires_grad=True)
+        ex = rewritten(fn, hidden, torch.randint(0, vocab, (1, tokens)), force=False, cce_variant="auto",
                        assume_device="cuda")
         record = ex.records[0]
         self.assertTrue(record.applied, record.reason)
-        self.assertEqual(record.params["variant"], "with_logits")
+        self.assertEqual(record.params["variant"], "with_logits", record.params.get("variant_reason"))
         self.assertRegex(record.params["variant_reason"],
                          r"a head-heavy graph .*; but the row-wise op frees [\d.]+ MiB against torch.compile, under "
                          r"half of cce_with_logits' [\d.]+ MiB")

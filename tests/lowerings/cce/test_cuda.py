@@ -158,6 +158,31 @@ def test_memory_stays_below_logits():
     assert peak < gradient_bytes + n * v * 4 // 4, (peak, gradient_bytes)
 
 
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss only", "returned logits"])
+def test_rowwise_forward_holds_its_outputs_and_the_charged_workspace(return_logits):
+    """The row-wise op's forward on CUDA allocates its outputs (∂C kept in bf16) and at most the workspace the
+    memory model charges for it: without returned logits ∂C's fp32 sum inside the op (125 MiB here), with them
+    no fp32 ∂C at all (∂C by slices of the vocabulary), which would not fit the margin."""
+    from lowerings.cce import rowwise
+
+    n, v, d = 4096, 32000, 1024
+    hidden, weight, _, targets = _lm_batch(n, v, d, torch.bfloat16)
+    args = (hidden, weight, None, targets, -100, "mean", 0.0, None, True, True, False, return_logits)
+    torch.ops.memopt.cce_rowwise(*args)  # (cuBLAS's workspace and the kernels' first launch)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    outputs = torch.ops.memopt.cce_rowwise(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert outputs[2].dtype == torch.bfloat16 and outputs[2].shape == (v, d)
+    kept = sum(t.untyped_storage().nbytes() for t in outputs)
+    workspace = rowwise.forward_workspace("cuda", *args)
+    fp32_sum = rowwise.padded_vocab(v, "cuda") * d * 4
+    assert (workspace >= fp32_sum) == (not return_logits)
+    assert peak <= kept + workspace + (8 << 20), (peak, kept, workspace)
+
+
 @pytest.mark.parametrize("eps", [1e-30, 2.0**-9])
 def test_gradient_filter_at_cuda_tile_sizes(eps):
     """The sorted, filtered backward at the CUDA tiles equals float64 math with exactly the dead tiles dropped

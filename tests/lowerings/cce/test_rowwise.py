@@ -138,8 +138,9 @@ def test_opcheck(bias, reduction, softcap):
 
 def test_working_set_charges_the_saved_gradients():
     terms = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cuda"), (True, True, False))
-    saved = terms["saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward"]
-    assert saved == 1024 * 768 * 2 + 50048 * 768 * 4  # ∂C has the padded classifier's rows (its first V returned)
+    # a 16-bit ∂C is kept in 16 bits; its fp32 sum over the padded classifier's rows dies in the op
+    assert terms[rowwise.KEPT_16_BIT] == 1024 * 768 * 2 + 50000 * 768 * 2
+    assert terms[rowwise.FP32_SUM] == 50048 * 768 * 4
     assert terms["transient (forward): the classifier and its bias, zero-padded to a multiple of 64 rows"] == 50048 * 769 * 2
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
     row_vectors = rowwise.ROW_VECTOR_BYTES
@@ -166,24 +167,30 @@ def test_working_set_charges_the_saved_gradients():
     rows = rowwise.chunk_rows(1024, 50000, torch.float32, "cpu", in_place=True, gradient_bytes=50000 * 768 * 4)
     assert fp32 == {  # fp32 logits become their gradient in place: no copy, no product to round
         "transient (forward): one chunk of logits, turned into their gradient in place [rows, V]": rows * (50000 * 4 + row_vectors),
-        "saved: the loss's gradients ∂E [N, D], ∂C [V, D] (fp32) and ∂b, taken in the forward": (1024 + 50000) * 768 * 4,
+        "saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward": 1024 * 768 * 4,
+        rowwise.WEIGHT_GRADIENT_ITSELF: 0,  # an fp32 ∂C is the weight's gradient itself
     }
 
 
 def test_working_set_spares_the_fp32_weights_gradient():
     """With fp32 weights (autocast over them, or fp32 training) ∂C's fp32 sum is the weight's gradient itself:
-    only its padding rows are charged (48 at V = 50000 on CUDA, none off CUDA), the rest stays charged as before."""
+    only its padding rows are charged (48 at V = 50000 on CUDA, none off CUDA). A 16-bit classifier's ∂C is kept
+    in 16 bits, its fp32 sum a transient of the op."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    charged = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False))
+    kept = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False))
     spared = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False), False, torch.float32)
     assert spared[rowwise.WEIGHT_GRADIENT_ITSELF] == 48 * 768 * 4
     assert spared["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] == 1024 * 768 * 2
-    assert sum(charged.values()) - sum(spared.values()) == 50000 * 768 * 4
+    assert rowwise.FP32_SUM not in spared and rowwise.KEPT_16_BIT not in spared
+    assert sum(kept.values()) - sum(spared.values()) == 50000 * 768 * 2 + 50000 * 768 * 4
     fp32 = rowwise.working_set(2048, 50000, 768, torch.float32, cpu, (True, True, True), False, torch.float32)
     assert fp32[rowwise.WEIGHT_GRADIENT_ITSELF] == 0
     assert fp32["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] == (2048 * 768 + 50000) * 4
     bf16_weight = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, False), False, torch.bfloat16)
-    assert bf16_weight == charged  # a 16-bit weight's gradient is a cast beside the fp32 sum: charged in full
+    assert bf16_weight == kept  # a 16-bit weight's gradient is kept in its dtype, by default too
+    with_bias = rowwise.working_set(1024, 50000, 768, torch.bfloat16, cuda, (True, True, True))
+    assert with_bias[rowwise.KEPT_16_BIT] - kept[rowwise.KEPT_16_BIT] == 50000 * 2  # ∂b in 16 bits
+    assert with_bias[rowwise.FP32_SUM] - kept[rowwise.FP32_SUM] == 50000 * 4  # its fp32 sum in the op
     no_weight = rowwise.working_set(1024, 50000, 768, torch.float32, cpu, (True, False, False), False, torch.float32)
     assert rowwise.WEIGHT_GRADIENT_ITSELF not in no_weight
 
@@ -348,21 +355,27 @@ def test_opcheck_with_returned_logits():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_scaled_cast_is_the_product_rounded_once(monkeypatch, dtype):
-    """``memopt::cce_scaled_cast`` (a saved fp32 gradient times the upstream scalar, into a 16-bit leaf's dtype)
-    equals PyTorch's product written into that dtype, block by block with a ragged last block; its temporaries
-    stay within the workspace the memory model charges for it."""
-    from tests.lowerings.memory import peak_temporary_bytes
-
-    monkeypatch.setattr(rowwise, "SCALED_CAST_ELEMENTS", 64)
-    saved = torch.randn(37, 5, generator=torch.Generator().manual_seed(3))  # 185 elements: 64 + 64 + 57
-    scale = torch.tensor(0.375)
-    expected = torch.mul(saved, scale, out=torch.empty(saved.shape, dtype=dtype))
-    peak, ours = peak_temporary_bytes(lambda: torch.ops.memopt.cce_scaled_cast(saved, scale, dtype))
-    assert ours.dtype == dtype and torch.equal(ours, expected)
-    assert 0 < peak <= rowwise.scaled_cast_workspace("cpu", saved) == 64 * 4
-    assert rowwise.scaled_cast_workspace("cuda", saved) == 0  # the CUDA kernel writes the narrower result itself
-    torch.library.opcheck(torch.ops.memopt.cce_scaled_cast.default, (saved, scale, dtype))
+def test_a_16_bit_classifiers_gradients_are_rounded_once_in_the_forward(dtype):
+    """∂C and ∂b leave the op in the classifier's dtype: the fp32 sums (what ``grad_dtype=float32`` keeps) rounded
+    once. The backward multiplies them by the upstream scalar: exact for a power of two, one more rounding
+    otherwise, as ∂E has always had."""
+    (h, w, b), targets = _inputs(dtype, bias=True)
+    args = (h, w, b, targets, -100, "mean", 0.0, None, True, True, True)
+    _, _, grad_w, grad_b, _ = torch.ops.memopt.cce_rowwise(*args)
+    _, _, wide_w, wide_b, _ = torch.ops.memopt.cce_rowwise(*args, grad_dtype=torch.float32)
+    assert grad_w.dtype == grad_b.dtype == dtype and wide_w.dtype == wide_b.dtype == torch.float32
+    assert torch.equal(grad_w, wide_w.to(dtype)) and torch.equal(grad_b, wide_b.to(dtype))
+    torch.library.opcheck(torch.ops.memopt.cce_rowwise.default, args)
+    torch.library.opcheck(torch.ops.memopt.cce_rowwise.default, args, {"grad_dtype": torch.float32})
+    for upstream in (1.0, 0.25, 0.3):
+        loss = torch.ops.memopt.cce_rowwise(*args)[0]
+        weight_grad, bias_grad = torch.autograd.grad(loss * upstream, (w, b))
+        for ours, rounded_once in ((weight_grad, wide_w), (bias_grad, wide_b)):
+            expected = (rounded_once * upstream).to(dtype)
+            if upstream in (1.0, 0.25):
+                assert torch.equal(ours, expected)
+            else:  # at most one unit in the last place from the product rounded once
+                torch.testing.assert_close(ours.float(), expected.float(), rtol=2 ** -7, atol=0.0)
 
 
 class _TiedLM(torch.nn.Module):
@@ -379,11 +392,11 @@ class _TiedLM(torch.nn.Module):
         return F.cross_entropy(F.linear(hidden, self.embed.weight).float(), labels.flatten())
 
 
-def test_a_tied_16_bit_classifier_drops_its_fp32_gradient_where_the_backward_starts():
-    """The row-wise op keeps ∂C in fp32 from forward to backward. Scaled and cast in the traced backward, the
-    product fused into the sum of the tied classifier's two gradients at the backward's end, so the fp32 ∂C was
-    alive beside the embedding's fp32 gradient there (the CPU profile showed both). ``cce_scaled_cast`` casts it
-    where the backward starts: when the backward allocates the embedding's fp32 [V, D] gradient, no other block
+def test_a_tied_16_bit_classifier_keeps_no_fp32_gradient_into_the_backward():
+    """A tied classifier's gradient is the sum of the head's and the embedding's, taken at the backward's end.
+    Were ∂C kept in fp32 from forward to backward, the traced scaling would fuse into that sum and the fp32 ∂C
+    would be alive beside the embedding's fp32 gradient there (the CPU profile showed both). A 16-bit classifier's
+    ∂C is rounded in the forward: when the backward allocates the embedding's fp32 [V, D] gradient, no other block
     of that size is alive."""
     from torch.profiler import ProfilerActivity, profile
 

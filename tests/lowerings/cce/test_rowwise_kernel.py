@@ -107,3 +107,56 @@ def test_scaled_copy_rounds_once(dtype):
     else:
         assert torch.equal(ours, expected)
     assert scaled_copy(source[:0], scale, dtype).shape == (0, 1500)
+
+
+@pytest.mark.parametrize(("softcap", "label_smoothing", "logit_scale"), [(None, 0.0, 1.0), (7.5, 0.1, 0.5)])
+def test_column_slices_write_the_row_kernels_gradient(monkeypatch, softcap, label_smoothing, logit_scale):
+    """``column_gradient_`` over slices of the vocabulary (130 columns: a tile masked at each slice's end, a
+    ragged last slice), from the log-sum-exp the row kernel stores, writes the row kernel's gradient column for
+    column, and with ``transform`` leaves the returned logits as the row kernel leaves them."""
+    from lowerings.cce.rowwise_kernel import column_gradient_
+
+    monkeypatch.setattr(rowwise_kernel, "BLOCK_V", 64)
+    logits, targets = _logits(rows=7, vocab=300), _targets(rows=7, vocab=300)
+    targets[0], targets[2], targets[3] = 299, 130, 129  # the last column, a slice's first and last
+    scale = torch.tensor([0.25], device=DEVICE)
+    expected, transformed = torch.empty_like(logits), logits.clone()
+    lse = torch.empty(7, device=DEVICE)
+    losses = row_gradient_(expected, targets, -100, label_smoothing, softcap, scale, transformed, logit_scale,
+                           True, lse)
+    plain = row_gradient_(torch.empty_like(logits), targets, -100, label_smoothing, softcap, scale, logits.clone(),
+                          logit_scale)
+    assert torch.equal(losses, plain)  # storing the lse changes nothing else
+    x = logits.double()
+    z = softcap * torch.tanh(x * logit_scale / softcap) if softcap else x * logit_scale
+    torch.testing.assert_close(lse.double(), torch.logsumexp(z, dim=1), rtol=1e-6, atol=1e-6)
+    ours, source = torch.zeros_like(logits), logits.clone()
+    for first in range(0, 300, 130):
+        column_gradient_(ours[:, first : first + 130], source, first, targets, lse, -100, label_smoothing, softcap,
+                         scale, logit_scale, transform=True)
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(source, transformed)
+    assert torch.all(ours[1] == 0)  # the ignored row
+
+
+@pytest.mark.parametrize("buffer_rows", [16, 1])
+def test_weight_gradient_by_column_slices_matches_float64(buffer_rows):
+    """∂C = Gᵀ·E slice by slice over every row (several slices of 64 columns within the chunk buffer's room, or a
+    buffer too small for one slice) equals float64 autograd of the loss's sum."""
+    gen = torch.Generator().manual_seed(3)
+    n, vocab, dim = 40, 300, 16
+    hidden = torch.randn(n, dim, generator=gen).to(DEVICE)
+    weight = (torch.randn(vocab, dim, generator=gen) / dim**0.5).to(DEVICE)
+    targets = _targets(rows=n, vocab=vocab, ignored=(1, 7))
+    logits = hidden @ weight.t()
+    lse = torch.empty(n, device=DEVICE)
+    scale = torch.ones((), device=DEVICE)
+    buffer = torch.empty(buffer_rows, rowwise.padded_vocab(vocab, "cuda"), device=DEVICE)
+    row_gradient_(torch.empty_like(logits), targets, -100, 0.0, None, scale, logits, 1.0, False, lse)
+    grad_weight = torch.empty_like(weight)
+    rowwise._weight_gradient_by_columns_(grad_weight, buffer, logits, hidden, targets, lse, -100, 0.0, None, scale,
+                                         1.0, False)
+    exact = weight.double().requires_grad_()
+    loss = F.cross_entropy(hidden.double() @ exact.t(), targets, reduction="sum")
+    (expected,) = torch.autograd.grad(loss, exact)
+    torch.testing.assert_close(grad_weight.double(), expected, rtol=1e-5, atol=1e-5)
