@@ -83,6 +83,14 @@ def _write_gradient(
 
 
 @triton.jit
+def _sweep_terms(valid, scale_ptr, logit_scale, lse, smoothing_keep, smoothing_spread):
+    """The second sweep's per-row terms: the exponent's offset (the gradient's scale inside the exponential: a zero
+    scale, an ignored row, gives 2^-inf = 0) and the scaled one-hot and smoothing terms."""
+    scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32) * logit_scale, 0.0)
+    return lse * LOG2E - tl.log2(scale), smoothing_keep * scale, smoothing_spread * scale
+
+
+@triton.jit
 def _row_gradient_kernel(
     SRC, Z, targets, losses, scale_ptr, LSE,
     vocab, stride_src, stride_zn, ignore_index,
@@ -129,12 +137,8 @@ def _row_gradient_kernel(
     if HAS_SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - tl.sum(logit_sum, axis=0) / LOG2E / vocab)
     tl.store(losses + row, tl.where(valid, loss, 0.0))
-    # Sweep 2: scale · m · (softmax − (1 − ε)·onehot − ε/V) · (1 − tanh²), with the scale inside the exponential
-    # (a zero scale, an ignored row, gives 2^-inf = 0).
-    scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32) * logit_scale, 0.0)
-    offset = lse * LOG2E - tl.log2(scale)
-    keep = smoothing_keep * scale
-    spread = smoothing_spread * scale
+    # Sweep 2: scale · m · (softmax − (1 − ε)·onehot − ε/V) · (1 − tanh²)
+    offset, keep, spread = _sweep_terms(valid, scale_ptr, logit_scale, lse, smoothing_keep, smoothing_spread)
     for start in range(0, full, BLOCK_V):
         _write_gradient(source, base, start, cols, vocab, safe_target, offset, keep, spread, softcap, logit_scale,
                         False, HAS_SOFTCAP, HAS_SMOOTHING, TRANSFORM)
@@ -197,10 +201,8 @@ def _column_gradient_kernel(
     target = tl.load(targets + row).to(tl.int64)
     valid = target != ignore_index
     safe_target = tl.where(valid, target, 0)
-    scale = tl.where(valid, tl.load(scale_ptr).to(tl.float32) * logit_scale, 0.0)
-    offset = tl.load(LSE + row) * LOG2E - tl.log2(scale)
-    keep = smoothing_keep * scale
-    spread = smoothing_spread * scale
+    offset, keep, spread = _sweep_terms(valid, scale_ptr, logit_scale, tl.load(LSE + row), smoothing_keep,
+                                        smoothing_spread)
     cols = tl.arange(0, BLOCK_V)
     if start + BLOCK_V <= end:
         _write_gradient(source, base, start, cols, end, safe_target, offset, keep, spread, softcap, logit_scale,
