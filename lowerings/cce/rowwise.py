@@ -203,7 +203,7 @@ def working_set(
     gradient is alive, so only its padding rows are charged."""
     acc = reference.compute_dtype(dtype).itemsize
     need_hidden, need_weight, need_bias = needs
-    kept = dtype if weight_grad_dtype is None else weight_grad_dtype
+    kept = kept_dtype(dtype, weight_grad_dtype)
     in_place = _gradient_in_place(device.type, dtype)
     cast_bytes = _gradient_bytes(vocab, dim, dtype, need_weight)
     rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
