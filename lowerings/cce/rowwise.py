@@ -155,6 +155,19 @@ def _kernel_serves(device_type: str, dtype: torch.dtype) -> bool:
     return HAS_TRITON and device_type == "cuda" and dtype != torch.float64
 
 
+def _by_columns(device_type: str, dtype: torch.dtype, return_logits: bool, need_weight: bool) -> bool:
+    """Whether ∂C is taken by slices of the vocabulary over every row (``_weight_gradient_by_columns_``): where
+    the op returns the logits, so all of them are in memory, and the chunk kernel serves the chunks (it stores
+    the rows' log-sum-exp the slices' sweep needs)."""
+    return need_weight and return_logits and _kernel_serves(device_type, dtype)
+
+
+def _transforms(return_logits: bool, transform_logits: bool, scale: float, divisor: float,
+                softcap: float | None) -> bool:
+    """Whether the op transforms the logits it returns: asked to, and there is a scale or a softcap to apply."""
+    return return_logits and transform_logits and (scale, divisor, softcap) != (1.0, 1.0, None)
+
+
 def _gradient_in_place(device_type: str, dtype: torch.dtype) -> bool:
     """Whether a chunk's gradient overwrites its logits' buffer, with no copy in the compute dtype: the CUDA
     kernel's, and the PyTorch path's where the logits already are in the compute dtype (fp32, fp64)."""
@@ -227,7 +240,7 @@ def working_set(
     if need_bias and _kernel_serves(device.type, dtype):
         terms["transient (forward): a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * kept.itemsize if need_bias else 0)
-    by_columns = need_weight and returns_logits and _kernel_serves(device.type, dtype)
+    by_columns = _by_columns(device.type, dtype, returns_logits, need_weight)
     if by_columns:  # the slices' sweep works in the chunk's buffer; the row kernel stores each row's lse for it
         terms["transient (forward): the rows' log-sum-exp [N] (fp32), for ∂C's column slices"] = n_rows * 4
     if not need_weight:
@@ -344,7 +357,7 @@ def cce_rowwise(
     weight_rows, bias_rows = padded_rows(weight, width), padded_rows(bias, width)
     fused = _kernel_serves(hidden.device.type, hidden.dtype)
     # ∂C by slices of the vocabulary over every row, from the returned logits (no fp32 sum), or summed over chunks
-    by_columns = fused and return_logits and need_weight and n_rows > 0
+    by_columns = _by_columns(hidden.device.type, hidden.dtype, return_logits, need_weight) and n_rows > 0
     grad_weight_rows = weight.new_empty(0)
     if need_weight and not by_columns:  # the first chunk writes ∂C; with no rows there is no chunk, and ∂C is 0
         grad_weight_rows = (weight.new_empty if n_rows else weight.new_zeros)((width, weight.shape[1]), dtype=acc)
@@ -356,7 +369,7 @@ def cce_rowwise(
     total = torch.zeros((), dtype=acc, device=hidden.device)
     lse = torch.empty(n_rows, dtype=torch.float32, device=hidden.device) if by_columns else None
     multiplier = scale / divisor  # the logit scale m
-    transform = return_logits and transform_logits and (scale, divisor, softcap) != (1.0, 1.0, None)
+    transform = _transforms(return_logits, transform_logits, scale, divisor, softcap)
     step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, hidden.device.type)
     all_logits = _chunk_logits(hidden, weight_rows, bias_rows) if return_logits else None  # [N, width]
     chunk_buffer = None
@@ -511,7 +524,8 @@ if HAS_TRITON:
         step = _rows_per_chunk(hidden, vocab, need_weight, return_logits, "cuda")
         width = padded_vocab(vocab, "cuda")
         grad_scale = hidden.new_empty((), dtype=reference.compute_dtype(hidden.dtype))
-        by_columns = return_logits and need_weight
+        by_columns = _by_columns("cuda", hidden.dtype, return_logits, need_weight)
+        transform = _transforms(return_logits, transform_logits, scale, divisor, softcap)
         targets = targets.long()
         for rows in {min(step, n_rows), n_rows - (n_rows - 1) // step * step}:
             source = hidden.new_empty(rows, width)[:, :vocab] if return_logits else None
@@ -519,7 +533,7 @@ if HAS_TRITON:
             lse = hidden.new_empty(rows, dtype=torch.float32) if by_columns else None
             row_gradient_(
                 logits, targets[:rows], ignore_index, label_smoothing, softcap, grad_scale, source,
-                scale / divisor, return_logits and transform_logits and not by_columns, lse,
+                scale / divisor, transform and not by_columns, lse,
             )
         if not by_columns:
             return
@@ -530,7 +544,7 @@ if HAS_TRITON:
             out = hidden.new_empty(1, columns)[:, : last - first]
             column_gradient_(
                 out, hidden.new_empty(1, width)[:, :vocab], first, targets[:1], grad_scale.new_empty(1),
-                ignore_index, label_smoothing, softcap, grad_scale, scale / divisor, transform_logits,
+                ignore_index, label_smoothing, softcap, grad_scale, scale / divisor, transform,
             )
 
 
