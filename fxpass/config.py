@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs")
+RULE_NAMES: tuple[str, ...] = ("cce", "attention", "wta_crs", "embedding")
 INNER_COMPILERS: tuple[str, ...] = ("inductor", "aot_eager", "eager")
 DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 CCE_VARIANTS: tuple[str, ...] = ("auto", "chunked", "rowwise")

@@ -99,7 +99,7 @@ def undone(record: RewriteRecord, reason: str) -> RewriteRecord:
 
 # Rules whose pieces are priced against torch.compile (all of them: WTA-CRS with the producers of its input as
 # context, since whether torch.compile keeps that input or recomputes it from theirs decides what sampling frees).
-PRICED_RULES = ("cce", "attention", "wta_crs")
+PRICED_RULES = ("cce", "attention", "wta_crs", "embedding")
 
 
 def _against_compile(rule: Rule, candidate, decision: Decision, config: Config) -> Decision:

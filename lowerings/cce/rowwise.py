@@ -229,6 +229,13 @@ def working_set(
         terms["transient (forward): one chunk of logits and their fp32 copy [rows, V]"] = (
             rows * chunk_bytes_per_row(vocab, dtype, device.type)
         )
+    by_columns = _by_columns(device.type, dtype, returns_logits, need_weight)
+    if need_weight and kept.itemsize < acc and not by_columns:
+        # ∂C's 16-bit copy is allocated once the last chunk is freed: the chunk overlaps it, not the sum beside it
+        chunk = next(iter(terms))
+        terms[chunk + ", less ∂C's 16-bit copy, allocated after the last chunk dies"] = torch.sym_max(
+            terms.pop(chunk) - vocab * dim * kept.itemsize, 0
+        )
     if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
         product = "transient (forward): a chunk's ∂C product [V, D] and its fp32 copy for the sum"
         terms[product] = vocab * dim * (dtype.itemsize + acc)
@@ -240,7 +247,6 @@ def working_set(
     if need_bias and _kernel_serves(device.type, dtype):
         terms["transient (forward): a chunk's ∂b column sums [V] (fp32)"] = vocab * acc
     saved = (n_rows * dim * dtype.itemsize if need_hidden else 0) + (vocab * kept.itemsize if need_bias else 0)
-    by_columns = _by_columns(device.type, dtype, returns_logits, need_weight)
     if by_columns:  # the slices' sweep works in the chunk's buffer; the row kernel stores each row's lse for it
         terms["transient (forward): the rows' log-sum-exp [N] (fp32), for ∂C's column slices"] = n_rows * 4
     if not need_weight:

@@ -143,6 +143,8 @@ def test_working_set_charges_the_saved_gradients():
     assert terms[rowwise.FP32_SUM] == 50048 * 768 * 4
     assert terms["transient (forward): the classifier and its bias, zero-padded to a multiple of 64 rows"] == 50048 * 769 * 2
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
+    # the chunk dies before ∂C's 16-bit copy is allocated: charged only where it is larger
+    overlapped = ", less ∂C's 16-bit copy, allocated after the last chunk dies"
     row_vectors = rowwise.ROW_VECTOR_BYTES
     padded = 50048  # the classifier's rows padded to the next multiple of 64 above 50000
     assert rowwise.padded_vocab(50000, "cuda") == padded and rowwise.padded_vocab(50048, "cuda") == padded
@@ -152,7 +154,7 @@ def test_working_set_charges_the_saved_gradients():
         share = 1024 * 50000 * 2 // rowwise.FRACTION // (padded * 2 + row_vectors)
         assert rows % 64 == 0 and share // 2 < rows <= share * 5 // 4 + 64
         in_place = "transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"
-        assert chunk == {in_place: rows * (padded * 2 + row_vectors)}
+        assert chunk == {in_place + overlapped: max(rows * (padded * 2 + row_vectors) - 50000 * 768 * 2, 0)}
     product = "transient (forward): a chunk's ∂C product [V, D] and its fp32 copy for the sum"
     assert (product in terms) == (not rowwise._accumulates_in_fp32("cuda"))
     cpu = rowwise.working_set(1024, 50000, 768, torch.bfloat16, torch.device("cpu"), (True, True, False))
@@ -160,7 +162,8 @@ def test_working_set_charges_the_saved_gradients():
     per_row = 50000 * 2 + 50000 * 4 + row_vectors  # bf16 logits (not padded off CUDA) and their fp32 copy
     share = 1024 * 50000 * 2 // rowwise.FRACTION // per_row
     assert share < rowwise.MIN_CPU_LOSS_ROWS == rows  # off CUDA a loss-only chunk is at least that many rows
-    assert cpu["transient (forward): one chunk of logits and their fp32 copy [rows, V]"] == rows * per_row
+    cpu_chunk = "transient (forward): one chunk of logits and their fp32 copy [rows, V]" + overlapped
+    assert cpu[cpu_chunk] == max(rows * per_row - 50000 * 768 * 2, 0)
     assert cpu[product] == 50000 * 768 * 6  # the CPU rounds each chunk's product to bf16, then adds an fp32 copy
     assert not any("zero-padded" in name for name in cpu)
     fp32 = rowwise.working_set(1024, 50000, 768, torch.float32, torch.device("cpu"), (True, True, False))
@@ -182,7 +185,12 @@ def test_working_set_spares_the_fp32_weights_gradient():
     assert spared[rowwise.WEIGHT_GRADIENT_ITSELF] == 48 * 768 * 4
     assert spared["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] == 1024 * 768 * 2
     assert rowwise.FP32_SUM not in spared and rowwise.KEPT_16_BIT not in spared
-    assert sum(kept.values()) - sum(spared.values()) == 50000 * 768 * 2 + 50000 * 768 * 4
+    # beside the chunks (which differ: the 16-bit case's may grow to ∂C's size and overlaps ∂C), the fp32 sum and
+    # the 16-bit ∂C are what keeping ∂C in 16 bits costs
+    def beside_chunk(terms):
+        return sum(value for name, value in terms.items() if "one chunk of logits" not in name)
+
+    assert beside_chunk(kept) - beside_chunk(spared) == 50000 * 768 * 2 + 50000 * 768 * 4
     fp32 = rowwise.working_set(2048, 50000, 768, torch.float32, cpu, (True, True, True), False, torch.float32)
     assert fp32[rowwise.WEIGHT_GRADIENT_ITSELF] == 0
     assert fp32["saved: the loss's gradients ∂E [N, D] and ∂b, taken in the forward"] == (2048 * 768 + 50000) * 4
@@ -213,10 +221,13 @@ def test_chunk_may_grow_to_the_cast_gradient():
     assert rowwise.chunk_rows(8192, 256000, torch.bfloat16, "cuda", True, False, 0) == 1216  # no ∂C: the cap
     if rowwise.HAS_TRITON:
         terms = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, True, False))
-        chunk = terms["transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"]
-        assert chunk == 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, "cuda", in_place=True) <= cast * 5 // 4
+        in_place = "transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"
+        chunk = 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, "cuda", in_place=True)
+        assert chunk <= cast * 5 // 4
+        # charged beyond ∂C's 16-bit copy, which the op allocates once the last chunk is freed
+        assert terms[in_place + ", less ∂C's 16-bit copy, allocated after the last chunk dies"] == max(chunk - cast, 0)
         no_weight = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, False, False))
-        assert no_weight["transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"] < chunk
+        assert no_weight[in_place] < chunk
 
 
 def test_chunk_beside_returned_logits_is_small():
@@ -407,7 +418,8 @@ def test_a_tied_16_bit_classifier_keeps_no_fp32_gradient_into_the_backward():
     torch.manual_seed(0)
     model = _TiedLM(vocab, dim).to(torch.bfloat16)
     ids = torch.randint(0, vocab, (2, 64))
-    options = {"cce_variant": "rowwise", "force": True}
+    # (the embedding rule off: Inductor's decomposition allocates the fp32 [V, D] gradient this test looks for)
+    options = {"cce_variant": "rowwise", "force": True, "disable": "embedding"}
     torch._dynamo.reset()
     step = torch.compile(model, backend=fxpass.MemoptBackend(options=options))
     reference = torch.nn.functional.cross_entropy(
