@@ -189,6 +189,36 @@ def test_every_rule_on_still_gives_cce(name):
     assert record.params["returned_logits_transformed"] is FAMILIES[name].transformed
 
 
+@pytest.mark.parametrize("name", ["llama", "cohere"], ids=["untied", "tied"])
+def test_bf16_tables_take_the_embedding_rule(name):
+    """bf16 weights: the word table's gradient comes from memopt's embedding op (its fp32 sum over the distinct
+    indices, rounded once), added to the head's where the classifier is tied (Cohere). Every other gradient is
+    bit for bit the run's without the rule; the table's is within bf16 rounding of it (eager CPU, there, sums
+    the table's rows in bf16)."""
+    model = _model(name).bfloat16()
+    ids, labels = _batch()
+
+    def step(options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        torch._dynamo.reset()
+        fxpass.clear_reports()
+        compiled = torch.compile(model, backend="memopt", fullgraph=True, options=options)
+        return _gradients(compiled(input_ids=ids, labels=labels).loss, model)
+
+    options = {**EXACT, "cce_variant": "rowwise"}
+    without = step({**options, "disable": ["attention", "embedding"]})
+    actual = step(options)
+    records = [r for report in fxpass.reports() for r in report.records if r.rule == "embedding"]
+    assert [r.applied for r in records] == [True], [r.reason for r in records]
+    table = "model.embed_tokens.weight"
+    assert actual.keys() == without.keys() and table in actual
+    for key, grad in actual.items():
+        if key != table:
+            assert torch.equal(grad, without[key]), key
+    scale = without[table].float().abs().max().item()
+    torch.testing.assert_close(actual[table].float(), without[table].float(), rtol=0, atol=scale * 2**-7)
+    assert actual[table].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("name", ["gemma2", "granite"])
 def test_through_inductor(name):
     """The default inner compiler on one layer (a cold CPU Inductor compile takes tens of seconds): Inductor

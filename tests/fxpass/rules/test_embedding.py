@@ -117,3 +117,15 @@ def test_the_compiled_gradient_is_the_float64_sum_rounded_once(dtype):
     rounded = (exact.to(dtype).double() - exact).abs().max()
     assert (table.weight.grad.double() - exact).abs().max() <= rounded
     assert not table.weight.grad[3].any()
+
+
+def test_dynamic_shapes_price_the_table_against_symbolic_rows():
+    """Under dynamic shapes the saving is an expression of the batch's sizes (the fp32 table less what the
+    op's kernel takes per row), decided on the example's hints without a guard."""
+    table, head = _model()
+    ex = rewritten(_step(table, head), _ids(), force=False, dynamic=True)
+    (record,) = [r for r in ex.records if r.rule == "embedding"]
+    assert record.applied and record.proof == "hint"
+    freed = record.against_compile["peak"]
+    assert str(VOCAB * WIDTH * 4) in freed and "s" in freed  # V·D·4 less a term in the symbolic row count
+    assert record.against_compile["peak_hint"] < VOCAB * WIDTH * 4
