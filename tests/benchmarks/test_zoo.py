@@ -65,7 +65,7 @@ def test_a_family_missing_from_transformers_gets_a_row(tmp_path, monkeypatch):
     assert case.note == f"not in transformers {version} (FutureConfig, FutureForCausalLM)"
     assert case.runs == {}
     report = (tmp_path / "zoo.md").read_text()
-    assert f"| future | none | - | - | - | - | - | - | - | - | - | not in transformers {version}" in report
+    assert f"| future | none | - | - | - | - | - | - | - | - | - | - | not in transformers {version}" in report
     assert "future (no CCE (none), not measured (none))" in report
 
 
