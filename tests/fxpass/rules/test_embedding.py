@@ -49,7 +49,7 @@ class GraphModule(torch.nn.Module):
         return (mean,)""")
         self.assertExpectedInline(record_lines(ex), """\
 wta_crs applied=False proof=static: WTA-CRS is off: it replaces exact weight gradients by unbiased estimates, so it is opt-in; enable with options={'wta_crs_budget': 0.3}, MEMOPT_WTA_CRS_BUDGET=0.3 or backend='memopt_wta' (saved bytes: what budget 0.3 would free as the graph is written; enabled, each group is priced against torch.compile)
-embedding applied=True proof=static: the table's gradient summed by PyTorch's kernel, in its dtype; frees <bytes> against torch.compile (<bytes> saved for the backward, <bytes> transient) for every shape""")
+embedding applied=True proof=static: the table's gradient summed in fp32 (over the distinct indices) and written in its dtype; frees <bytes> against torch.compile (<bytes> saved for the backward, <bytes> transient) for every shape""")
 
     def test_tables_with_nothing_to_free_are_declined_with_why(self):
         cases = {
