@@ -22,8 +22,8 @@ from lowerings.embedding import reference
 
 # Rows of fp32 partial sums PyTorch's CUDA embedding backward allocates per gradient row: a segment of rows of one
 # index is cut every NROWS_PER_THREAD = 10 rows, so partial segments ≤ N/10 + distinct indices ≤ 1.1·N
-# (aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu).
-_PARTIAL_ROWS = 1.1
+# (aten/src/ATen/native/cuda/EmbeddingBackwardKernel.cu). In tenths, so that SymInt sizes stay integers.
+_PARTIAL_TENTHS = 11
 # int64 index arrays of N entries the CUDA kernel sorts and segments through (sorted indices, their order, segment
 # offsets and counts, partial segment offsets; one more for the sort's scratch).
 _INDEX_ARRAYS = 6
@@ -37,7 +37,7 @@ def working_set(
     charged: torch.compile's decomposition writes the same tensor."""
     accumulate = torch.promote_types(dtype, torch.float32).itemsize
     if device.type == "cuda":
-        partial = (rows * width * accumulate * 11 + 9) // 10  # ⌈1.1 · N · D · 4⌉, _PARTIAL_ROWS
+        partial = (rows * width * accumulate * _PARTIAL_TENTHS + 9) // 10  # ⌈1.1 · N · D · 4⌉
         return {
             "transient: fp32 partial sums of each index's rows (CUDA kernel)": partial,
             "transient: sorted indices and segment offsets (CUDA kernel)": _INDEX_ARRAYS * rows * 8,
