@@ -106,17 +106,13 @@ def decide(candidate: EmbeddingMatch, config: Config) -> Decision:
     weight, indices = tensor_value(candidate.weight), tensor_value(candidate.indices)
     rows, width = indices.numel(), weight.shape[1]
     table = weight.shape[0] * width
-    device = _device(weight, config)
+    device = config.memory_device(weight.device)
     memory = shapes.MemoryModel(
         before={"transient: the fp32 table Inductor's decomposition sums the gradient into": table * 4},
         after=op.working_set(rows, width, device, weight.dtype),
     )
     how = "PyTorch's CUDA kernel" if device.type == "cuda" else "over the distinct indices"
     return decide_on_saving(memory, config, f"the table's gradient summed in fp32 ({how}) and written in its dtype")
-
-
-def _device(weight: torch.Tensor, config: Config) -> torch.device:
-    return torch.device(config.assume_device) if config.assume_device is not None else weight.device
 
 
 def apply(gm: fx.GraphModule, candidate: EmbeddingMatch, config: Config) -> None:

@@ -220,22 +220,17 @@ def working_set(
     in_place = _gradient_in_place(device.type, dtype)
     cast_bytes = _gradient_bytes(vocab, dim, dtype, need_weight)
     rows = chunk_rows(n_rows, vocab, dtype, device.type, in_place, returns_logits, cast_bytes)
-    terms: dict[str, object] = {}
     if in_place:
-        terms["transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"] = (
-            rows * chunk_bytes_per_row(vocab, dtype, device.type, in_place=True)
-        )
+        chunk = "transient (forward): one chunk of logits, turned into their gradient in place [rows, V]"
     else:
-        terms["transient (forward): one chunk of logits and their fp32 copy [rows, V]"] = (
-            rows * chunk_bytes_per_row(vocab, dtype, device.type)
-        )
+        chunk = "transient (forward): one chunk of logits and their fp32 copy [rows, V]"
+    chunk_bytes = rows * chunk_bytes_per_row(vocab, dtype, device.type, in_place=in_place)
     by_columns = _by_columns(device.type, dtype, returns_logits, need_weight)
     if need_weight and kept.itemsize < acc and not by_columns:
         # ∂C's 16-bit copy is allocated once the last chunk is freed: the chunk overlaps it, not the sum beside it
-        chunk = next(iter(terms))
-        terms[chunk + ", less ∂C's 16-bit copy, allocated after the last chunk dies"] = torch.sym_max(
-            terms.pop(chunk) - vocab * dim * kept.itemsize, 0
-        )
+        chunk += CHUNK_BEFORE_KEPT
+        chunk_bytes = torch.sym_max(chunk_bytes - vocab * dim * kept.itemsize, 0)
+    terms: dict[str, object] = {chunk: chunk_bytes}
     if need_weight and dtype.itemsize < acc and not _accumulates_in_fp32(device.type):
         product = "transient (forward): a chunk's ∂C product [V, D] and its fp32 copy for the sum"
         terms[product] = vocab * dim * (dtype.itemsize + acc)
@@ -263,6 +258,8 @@ def working_set(
     return terms
 
 
+# The chunk term's suffix where the chunk is charged only beyond the 16-bit ∂C it dies before (``working_set``).
+CHUNK_BEFORE_KEPT = ", less ∂C's 16-bit copy, allocated after the last chunk dies"
 FP32_SUM = "transient (forward): ∂C's and ∂b's fp32 sums [V, D], rounded to 16 bits at the op's end"
 KEPT_16_BIT = "saved: the loss's gradients ∂E [N, D], ∂C [V, D] and ∂b in 16 bits, taken in the forward"
 WEIGHT_GRADIENT_ITSELF = (

@@ -144,7 +144,7 @@ def test_working_set_charges_the_saved_gradients():
     assert terms["transient (forward): the classifier and its bias, zero-padded to a multiple of 64 rows"] == 50048 * 769 * 2
     chunk = {name: value for name, value in terms.items() if "one chunk of logits" in name}
     # the chunk dies before ∂C's 16-bit copy is allocated: charged only where it is larger
-    overlapped = ", less ∂C's 16-bit copy, allocated after the last chunk dies"
+    overlapped = rowwise.CHUNK_BEFORE_KEPT
     row_vectors = rowwise.ROW_VECTOR_BYTES
     padded = 50048  # the classifier's rows padded to the next multiple of 64 above 50000
     assert rowwise.padded_vocab(50000, "cuda") == padded and rowwise.padded_vocab(50048, "cuda") == padded
@@ -225,7 +225,7 @@ def test_chunk_may_grow_to_the_cast_gradient():
         chunk = 2048 * rowwise.chunk_bytes_per_row(256000, torch.bfloat16, "cuda", in_place=True)
         assert chunk <= cast * 5 // 4
         # charged beyond ∂C's 16-bit copy, which the op allocates once the last chunk is freed
-        assert terms[in_place + ", less ∂C's 16-bit copy, allocated after the last chunk dies"] == max(chunk - cast, 0)
+        assert terms[in_place + rowwise.CHUNK_BEFORE_KEPT] == max(chunk - cast, 0)
         no_weight = rowwise.working_set(8192, 256000, 2304, torch.bfloat16, torch.device("cuda"), (True, False, False))
         assert no_weight[in_place] < chunk
 
