@@ -789,8 +789,8 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
     "auto" takes the row-wise variant where it may serve the loss and still frees at least 3/4 of what the
     chunked one frees: a quarter of the FLOPs for at most a quarter of
     the saving (it keeps ∂E, ∂C and ∂b from forward to backward). Where the graph also returns the logits, the
-    chunked side is the detached ``cce_with_logits``; on CUDA the row-wise op serves them where the graph is
-    head-heavy (``_head_heavy``, on time), elsewhere under the same 3/4 rule (``beyond_bound``), as off CUDA
+    chunked side is the detached ``cce_with_logits``, which "auto" takes on CUDA (see below) unless the graph is
+    head-heavy (``_head_heavy``); off CUDA the row-wise op serves returned logits under the same 3/4 rule
     (``RETURNED_LOGITS_OFF_CUDA``). Returns an empty reason where there was nothing to weigh."""
     if config.cce_variant == "chunked":
         return "chunked", ""
@@ -807,7 +807,15 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
         heavy = _head_heavy(*_matmul_work(candidate.classifier), candidate.returned_dtype is not None)
         if heavy:
             return "rowwise", heavy
-        return beyond_bound(candidate, rowwise, chunked, "")
+        # The loss ends the forward, so what the op keeps for the backward sits on the step's peak, beside the
+        # returned logits and every activation: measured on the H200, the Llama-3.2-1B shape 0.80× torch.compile's
+        # peak (row-wise: 0.88×), below torch.compile's time.
+        held = shapes.format_bytes(shapes.hint(chunked - rowwise))
+        return "chunked", (
+            f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "
+            f"keeps {held} more (the gradients it takes, a chunk beside the logits) at the forward's end, the step's "
+            "peak; for one more 2·N·D·V GEMM"
+        )
     return three_quarters(candidate, rowwise, chunked, "")
 
 
@@ -842,10 +850,9 @@ def choose(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | 
 
 
 def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Config, str] | None:
-    """Returned logits on CUDA of a head-heavy graph are decided on time (``_head_heavy``), as long as the
-    row-wise op frees memory against torch.compile at all: it returns logits it does not save and keeps ∂C beside
-    them, where torch.compile returns the logits it saves; beyond the bound, on memory
-    (``_returned_beyond_bound``). Time comes first here because ``cce_with_logits``' extra GEMM is a
+    """Returned logits on CUDA are decided on time (``_head_heavy``), as long as the row-wise op frees memory
+    against torch.compile at all: it returns logits it does not save and keeps ∂C in fp32 beside them, where
+    torch.compile returns the logits it saves. Time comes first here because ``cce_with_logits``' extra GEMM is a
     large part of a head-heavy graph's cost: in 2-block models at real widths (`benchmarks/zoo.py`, H200) whose
     head outweighs the blocks, the families it served ran at 1.19-1.44x torch.compile's step time, those the
     row-wise op served at 0.92-0.98x. Where the head does not outweigh the rest (other matmuls 1-3× its work),
@@ -856,7 +863,7 @@ def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Conf
     head, rest = _matmul_work(candidate.classifier)
     heavy = _head_heavy(head, rest, candidate.returned_dtype is not None)
     if not heavy:
-        return _returned_beyond_bound(candidate, config, priced)
+        return None  # cce_with_logits (``choose_variant``)
     rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
     figures = f"the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} against torch.compile"
     if shapes.clears(rowwise, config.min_saved_bytes).pays:
@@ -874,57 +881,6 @@ def _returned_on_cuda(candidate: CceMatch, config: Config, priced) -> tuple[Conf
         f"{heavy}; but {figures} (it keeps ∂C and returns logits it does not save, where torch.compile returns the "
         f"logits it saves) and cce_with_logits {shapes.format_bytes(shapes.hint(chunked))}: cce_with_logits "
         "serves them"
-    )
-
-
-def _returned_beyond_bound(candidate: CceMatch, config: Config, priced) -> tuple[Config, str]:
-    """Returned logits of a graph that is not head-heavy: the 3/4 rule on what each op frees against
-    torch.compile, priced with the logits the caller holds. ``cce_with_logits``' extra GEMM is then a small part
-    of the step's work, but not nothing: Mistral's 2 blocks (3.3× the classifier's work) ran at 1.06× torch.compile's
-    step time with it (`benchmarks/zoo.py`, H100). The row-wise op keeps ∂E and ∂C in 16 bits from the forward to
-    the backward, where ``cce_with_logits`` allocates the same two at the backward's start: the piece's peak and the
-    whole step's simulated peak are within 0.5 % of each other there (Mistral 0.93× torch.compile's either way;
-    the Llama-3.2-1B shape's 16 blocks priced 2.9 against 3.3 GiB freed, the step 0.796 against 0.792×). Where
-    ∂C outweighs the logits (a wide classifier over few tokens) the row-wise op frees under 3/4 and
-    ``cce_with_logits`` serves them."""
-    if candidate.returned_dtype is not None:
-        return dataclasses.replace(config, cce_variant="chunked"), _widened(candidate)
-    rowwise = priced(dataclasses.replace(config, cce_variant="rowwise"))[1].peak
-    chunked = priced(dataclasses.replace(config, cce_variant="chunked"))[1].peak
-    variant, why = beyond_bound(
-        candidate, rowwise, chunked, " against torch.compile, the logits the caller holds counted"
-    )
-    return dataclasses.replace(config, cce_variant=variant), why
-
-
-def beyond_bound(
-    candidate: CceMatch, rowwise: shapes.IntLike, chunked: shapes.IntLike, against: str
-) -> tuple[str, str]:
-    """The 3/4 rule for returned logits on CUDA beyond the head-heavy bound (``_returned_beyond_bound``), on what
-    each op frees (``against``: what that is measured against, for the reason). Logits returned widened keep
-    ``cce_with_logits``, which writes them from its GEMM in that dtype, where the row-wise op's 16-bit logits
-    would be cast beside them: the cast reads and writes 6 bytes an element, about what the GEMM saved costs at
-    GPT-2's width (2·768 FLOPs an element on an H100's ~300 FLOPs a byte)."""
-    if candidate.returned_dtype is not None:
-        return "chunked", _widened(candidate)
-    figures = (
-        f"the row-wise op frees {shapes.format_bytes(shapes.hint(rowwise))} of cce_with_logits' "
-        f"{shapes.format_bytes(shapes.hint(chunked))}{against}"
-    )
-    if shapes.clears(4 * rowwise - 3 * chunked, 0).pays:
-        return "rowwise", (
-            f"returned logits; {figures}: at least 3/4, so it serves them and the step is spared "
-            "cce_with_logits' extra 2·N·D·V GEMM"
-        )
-    return "chunked", (
-        f"returned logits; {figures}, under 3/4: the detached cce_with_logits, which keeps nothing for the backward"
-    )
-
-
-def _widened(candidate: CceMatch) -> str:
-    return (
-        f"returned logits widened to {str(candidate.returned_dtype).removeprefix('torch.')}: the detached "
-        "cce_with_logits writes them from its GEMM, where the row-wise op's 16-bit logits would be cast beside them"
     )
 
 
