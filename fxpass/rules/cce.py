@@ -808,11 +808,12 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
         if heavy:
             return "rowwise", heavy
         # The loss ends the forward, so what the row-wise op keeps for the backward sits on a deep model's peak,
-        # beside the logits and every activation. The Llama-3.2-1B shape's 16 blocks, logits dropped before the
-        # backward (`benchmarks/e2e.py --flows whole_model`, H100): cce_with_logits 0.76× torch.compile's peak at
-        # 0.94× its time, the row-wise op 0.82× at 0.86× (bf16 weights; under autocast 0.80× and 0.88×). Where a
-        # shallow graph's peak is mid-backward the two peak alike and the extra GEMM shows: Mistral's 2 blocks,
-        # 0.87× either way, 1.06× torch.compile's time against 0.93× (`benchmarks/zoo.py`).
+        # beside the logits and every activation. The Llama-3.2-1B shape's 16 blocks (`benchmarks/e2e.py --flows
+        # whole_model`, H100): cce_with_logits 0.76× torch.compile's peak at 0.94× its time, the row-wise op 0.82×
+        # at 0.86× (bf16 weights; under autocast 0.80× and 0.88×). Where a shallow graph's peak is mid-backward the
+        # two peak alike and the extra GEMM shows: Mistral's 2 blocks, 0.87× either way, 1.06× torch.compile's time
+        # against 0.93× (`benchmarks/zoo.py`). Neither pricing nor the step's simulation sees the difference
+        # (docs/cce.md), so it is not weighed here.
         held = shapes.format_bytes(shapes.hint(chunked - rowwise))
         return "chunked", (
             f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "
