@@ -44,14 +44,15 @@ class Explanation:
                 totals[name] += graph.step[name].hints()["saved"]
         return totals
 
-    def peak_bytes(self) -> dict[str, int] | None:
+    def peak_bytes(self, returned_held: bool = True) -> dict[str, int] | None:
         """The step's simulated peak beyond its inputs under torch.compile and under memopt (hints); None where a
         graph was not priced. Graphs run one after another, each while the tensors the earlier ones saved for
-        the backward are alive: the largest of those sums (``GraphReport.peaks``)."""
+        the backward are alive: the largest of those sums (``GraphReport.peaks``). ``returned_held``: whether the
+        caller holds the returned logits through the backward (``out.loss.backward()``) or keeps only the loss."""
         totals = {"torch.compile": 0, "memopt": 0}
         held = dict.fromkeys(totals, 0)
         for graph in self.graphs:
-            peaks = graph.peaks()
+            peaks = graph.peaks(returned_held)
             if peaks is None:
                 return None
             for name in totals:

@@ -82,28 +82,37 @@ class GraphReport:
             return None
         if "error" in self.step:
             return f"whole graph not priced: {self.step['error']}"
-        peaks = self.peaks()
+        peaks, loss_only = self.peaks(), self.peaks(returned_held=False)
+        dropped = "" if loss_only == peaks else (
+            f" ({format_bytes(loss_only['torch.compile'])} and {format_bytes(loss_only['memopt'])} where the caller "
+            "keeps only the loss, not the returned logits, through the backward)"
+        )
         return (
             f"saved for the backward: {format_bytes(self.step['torch.compile'].hints()['saved'])} under "
             f"torch.compile, {format_bytes(self.step['memopt'].hints()['saved'])} under memopt; the graph's own "
-            f"peak beyond its inputs: {format_bytes(peaks['torch.compile'])} and {format_bytes(peaks['memopt'])}\n"
-            f"{self.at_peak('memopt')}"
+            f"peak beyond its inputs: {format_bytes(peaks['torch.compile'])} and {format_bytes(peaks['memopt'])}"
+            f"{dropped}\n{self.at_peak('memopt')}"
         )
 
-    def peaks(self) -> dict[str, int] | None:
+    def peaks(self, returned_held: bool = True) -> dict[str, int] | None:
         """The graph's simulated peak beyond its inputs (hints), forward or backward, under torch.compile and
-        under memopt (``_phases``)."""
+        under memopt (``_phases``). ``returned_held``: whether the caller holds what the graph returns through the
+        backward (``out = model(...); out.loss.backward()``), or lets it go after the forward (``loss =
+        model(...).loss``). torch.compile's returned logits are the ones it saves, so only memopt's peak can
+        differ: its CCE ops return logits they do not save."""
         if self.step is None or "error" in self.step:
             return None
-        return {name: max(phase[0] for phase in self._phases(name)) for name in ("torch.compile", "memopt")}
+        return {name: max(phase[0] for phase in self._phases(name, returned_held))
+                for name in ("torch.compile", "memopt")}
 
-    def _phases(self, name: str) -> list[tuple[int, str, list[Holding]]]:
+    def _phases(self, name: str, returned_held: bool = True) -> list[tuple[int, str, list[Holding]]]:
         """The candidates for ``name``'s peak: (bytes, where, what holds them). The tensors the graph returns (a
-        model's logits) are held by the caller through the backward. What memopt's ops allocate inside their
-        kernels is charged at each op's own node (``compiled_cost._workspace``)."""
+        model's logits) are alive at the forward's end, and through the backward where the caller holds them
+        (``returned_held``). What memopt's ops allocate inside their kernels is charged at each op's own node
+        (``compiled_cost._workspace``)."""
         cost = self.step[name]
         hints = cost.hints()
-        returned = shapes.hint(cost.returned)
+        returned = shapes.hint(cost.returned) if returned_held else 0
         given = [Holding("returned to the caller", returned, cost.returned_largest)] if returned else []
         return [
             (hints["forward_peak"], "forward", list(cost.forward_holders)),
