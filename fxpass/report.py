@@ -63,6 +63,11 @@ def error_note(error: BaseException) -> str:
 INTERNAL = "memopt's ops inside their kernels (the largest)"
 
 
+def _both(figures: dict[str, int]) -> str:
+    """torch.compile's and memopt's figures, as the step summary prints them."""
+    return f"{format_bytes(figures['torch.compile'])} and {format_bytes(figures['memopt'])}"
+
+
 @dataclasses.dataclass
 class GraphReport:
     """The records of one compiled graph, with its code before and after the rewrites when kept."""
@@ -82,15 +87,15 @@ class GraphReport:
             return None
         if "error" in self.step:
             return f"whole graph not priced: {self.step['error']}"
-        peaks, loss_only = self.peaks(), self.peaks(returned_held=False)
-        dropped = "" if loss_only == peaks else (
-            f" ({format_bytes(loss_only['torch.compile'])} and {format_bytes(loss_only['memopt'])} where the caller "
-            "keeps only the loss, not the returned logits, through the backward)"
+        held, loss_only = (_both(self.peaks(held)) for held in (True, False))
+        # a graph that returns only its loss differs by the loss's own bytes: nothing to tell
+        dropped = "" if loss_only == held else (
+            f" ({loss_only} where the caller keeps only the loss, not the returned logits, through the backward)"
         )
+        saved = {name: cost.hints()["saved"] for name, cost in self.step.items()}
         return (
-            f"saved for the backward: {format_bytes(self.step['torch.compile'].hints()['saved'])} under "
-            f"torch.compile, {format_bytes(self.step['memopt'].hints()['saved'])} under memopt; the graph's own "
-            f"peak beyond its inputs: {format_bytes(peaks['torch.compile'])} and {format_bytes(peaks['memopt'])}"
+            f"saved for the backward: {format_bytes(saved['torch.compile'])} under torch.compile, "
+            f"{format_bytes(saved['memopt'])} under memopt; the graph's own peak beyond its inputs: {held}"
             f"{dropped}\n{self.at_peak('memopt')}"
         )
 

@@ -397,3 +397,17 @@ def test_the_simulated_peak_of_a_step_that_keeps_only_the_loss():
         measured[name] = _measured_peak(copy.deepcopy(model), backend, batch, hold=False)
     for name in measured:
         assert dropped[name] == pytest.approx(measured[name], rel=0.05), (name, dropped, measured)
+
+
+def test_a_graph_that_returns_only_its_loss_has_one_peak_to_tell():
+    """Without returned logits the caller's hold on the graph's outputs changes nothing worth printing (the loss's
+    own bytes), so the summary gives one peak per backend."""
+    weight = torch.nn.Parameter(torch.randn(8192, 64) * 0.02)
+
+    def loss(h, t):
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, weight), t)
+
+    ex = fxpass.explain(loss, torch.randn(2048, 64, requires_grad=True), torch.randint(0, 8192, (2048,)),
+                        execute=False)
+    assert "peak beyond its inputs" in str(ex)
+    assert "keeps only the loss" not in str(ex)
