@@ -11,7 +11,9 @@ tables can be read side by side.
 ``--trace DIR`` also writes each variant's Chrome trace (open it in Perfetto) and tells, for the forward and
 the backward apart, how long the GPU was busy within the span of the work each launched: a phase whose GPU
 waits is bound by the CPU, where moving GPU work into it costs nothing and moving work out of it saves nothing.
-``--flow fsdp`` profiles the FSDP2 step of ``e2e.py`` (a world of one).
+``--flow fsdp`` profiles the FSDP2 step of ``e2e.py`` (a world of one). ``--model zoo:<family>`` profiles a
+family of ``benchmarks/zoo.py`` as the zoo steps it (bf16 weights, the whole model compiled, ``--flow padded`` for
+its padded mask; ``--layers`` defaults to the zoo's 2), so that a zoo row's time ratio can be taken apart.
 """
 
 from __future__ import annotations
@@ -43,15 +45,40 @@ def parse_variant(text: str) -> tuple[str, dict]:
     return backend, json.loads(options) if options else {}
 
 
-def profile_variant(args: argparse.Namespace, variant: str, device: torch.device) -> str:
-    backend, options = parse_variant(variant)
+ZOO_PREFIX = "zoo:"
+
+
+def e2e_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
+    """One step of ``benchmarks/e2e.py``'s case: its model, flow and bf16 autocast (``--fp32``: none)."""
     torch.manual_seed(0)
     model = build_model(args.model, args.attention, args.dropout, args.tiny, args.checkpointing, args.layers)
     model = model.to(device)
-    seq, size = args.seq, args.batch
-    batch = make_batch(model.config.vocab_size, size, seq, args.flow == "padded", device)
+    batch = make_batch(model.config.vocab_size, args.batch, args.seq, args.flow == "padded", device)
     step = compiled_step(model, args.flow, backend, "inductor", options)
-    one_step = training_step(model, step, batch, device, autocast=not args.fp32, phases=args.trace is not None)
+    return training_step(model, step, batch, device, autocast=not args.fp32, phases=args.trace is not None)
+
+
+def zoo_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
+    """One step of ``benchmarks/zoo.py``'s case for the family after "zoo:": the zoo's model in bf16 (fp32 off
+    CUDA), the whole model compiled, the output alive through the backward, as the zoo measures it."""
+    from benchmarks import zoo
+
+    if args.flow not in ("whole_model", "padded"):
+        raise SystemExit(f"--model {args.model}: the zoo compiles the whole model; --flow whole_model or padded")
+    family = args.model.removeprefix(ZOO_PREFIX)
+    if family not in zoo.FAMILIES:
+        raise SystemExit(f"--model {args.model}: no zoo family {family!r} (one of {', '.join(zoo.FAMILIES)})")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = zoo.build_model(family, args.layers or 2, args.tiny, args.seq, device, dtype)
+    inputs = zoo.make_batch(zoo.FAMILIES[family].task, model.config.vocab_size, args.batch, args.seq,
+                            args.flow == "padded", device)
+    return zoo.compiled_step(model, inputs, backend, "inductor", options, sink=lambda report: None)
+
+
+def profile_variant(args: argparse.Namespace, variant: str, device: torch.device) -> str:
+    backend, options = parse_variant(variant)
+    make_step = zoo_step if args.model.startswith(ZOO_PREFIX) else e2e_step
+    one_step = make_step(args, backend, options, device)
     for _ in range(args.warmup):
         one_step()
     torch.cuda.synchronize(device) if device.type == "cuda" else None
@@ -296,7 +323,7 @@ def allocation_site(frames: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt2", help="a model of benchmarks/e2e.py")
+    parser.add_argument("--model", default="gpt2", help='a model of benchmarks/e2e.py, or "zoo:<family>"')
     parser.add_argument("--flow", default="loss_only", choices=["loss_only", "whole_model", "padded", "fsdp"])
     parser.add_argument("--variants", default="torch.compile,memopt")
     parser.add_argument("--attention", default="sdpa")

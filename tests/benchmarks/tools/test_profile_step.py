@@ -71,6 +71,27 @@ def test_tiny_cpu_run_writes_the_trace_and_the_phases(tmp_path, caplog):
     assert "| step.forward | 2 |" in caplog.text
 
 
+def test_a_zoo_family_is_profiled_only_as_the_zoo_steps_it():
+    """The zoo compiles the whole model: a loss-only flow or an unknown family is refused before any model is built."""
+    with pytest.raises(SystemExit, match="--flow whole_model or padded"):
+        profile_step.main(["--model", "zoo:gemma", "--tiny", "--device", "cpu", "--flow", "loss_only"])
+    with pytest.raises(SystemExit, match="no zoo family 'gemma9'"):
+        profile_step.main(["--model", "zoo:gemma9", "--tiny", "--device", "cpu", "--flow", "padded"])
+
+
+@pytest.mark.slow
+def test_tiny_zoo_family_profiles_both_backends(caplog):
+    """A zoo family's padded step under both backends: each variant's table, and memopt's rewrites (forced at
+    the tiny size) in its compiled step."""
+    caplog.set_level("INFO", logger="profile_step")
+    profile_step.main(["--model", "zoo:llama", "--tiny", "--device", "cpu", "--flow", "padded", "--seq", "16",
+                       "--batch", "2", "--variants", 'torch.compile,memopt:{"force": true}', "--warmup", "1",
+                       "--steps", "1", "--top", "40"])
+    assert "## torch.compile:" in caplog.text and '## memopt:{"force": true}:' in caplog.text
+    memopt_table = caplog.text.split('## memopt:{"force": true}:')[1]
+    assert "memopt::" in memopt_table
+
+
 def test_idle_gaps_name_the_cpu_op_that_launched_the_work_after_them():
     """Two steps of a forward whose GPU waits before a kernel launched under ``memopt::cce_rowwise`` (400, then
     300 µs), before one launched under ``aten::mm`` (950, then 1050 µs), and for 20 µs (under the threshold)."""
