@@ -49,13 +49,15 @@ ZOO_PREFIX = "zoo:"
 
 
 def e2e_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
-    """One step of ``benchmarks/e2e.py``'s case: its model, flow and bf16 autocast (``--fp32``: none)."""
+    """One step of ``benchmarks/e2e.py``'s case: its model, flow and ``--precision`` (as e2e's: fp32 weights under
+    bf16 autocast, bf16 weights, or fp32)."""
     torch.manual_seed(0)
     model = build_model(args.model, args.attention, args.dropout, args.tiny, args.checkpointing, args.layers)
-    model = model.to(device)
+    model = model.to(device, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     batch = make_batch(model.config.vocab_size, args.batch, args.seq, args.flow == "padded", device)
     step = compiled_step(model, args.flow, backend, "inductor", options)
-    return training_step(model, step, batch, device, autocast=not args.fp32, phases=args.trace is not None)
+    return training_step(model, step, batch, device, autocast=args.precision == "autocast",
+                         phases=args.trace is not None)
 
 
 def zoo_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
@@ -330,7 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dropout", default="0")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    parser.add_argument("--precision", default="autocast", choices=["autocast", "bf16", "fp32"],
+                        help="e2e's models: fp32 weights under bf16 autocast, bf16 weights, or fp32 throughout")
     parser.add_argument("--checkpointing", action="store_true", help="HF's per-layer activation checkpointing")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
