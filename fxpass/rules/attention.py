@@ -23,10 +23,11 @@ recorded, unless they are handed a materialized mask whose structure is proved: 
 ``memopt.flash_attention``.
 
 On CUDA the rewritten attention runs cuDNN's fused kernel wherever it serves the case (fp16/bf16, head dim a
-multiple of 8 up to 128, no mask beyond causal ∧ key padding, no softcap or window; ``choose_kernel``): it takes
-a causal flag and a [B, 1, 1, Tk] key bias together, which the public SDPA refuses, and it was faster than
-memopt's Triton kernel in every such case measured. Everything else (learned or arbitrary biases, softcaps,
-sliding windows, fp32, other head dims, CPU) runs ``memopt.flash_attention``.
+multiple of 8 up to 128, or 256 on Hopper with cuDNN 9.10 or newer, no mask beyond causal ∧ key padding, no
+softcap or window; ``choose_kernel``): it takes a causal flag and a [B, 1, 1, Tk] key bias together, which the
+public SDPA refuses, and it was faster than memopt's Triton kernel in every such case measured. Everything else
+(learned or arbitrary biases, softcaps, sliding windows, fp32, other head dims, CPU) runs
+``memopt.flash_attention``.
 """
 
 from __future__ import annotations
@@ -187,7 +188,7 @@ SDPA_FUSED = "F.scaled_dot_product_attention is already a fused kernel with O(T)
 
 _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 CUDNN_LOWERING = "aten._scaled_dot_product_cudnn_attention (cuDNN)"
-CUDNN_WHY = "cuDNN's fused attention: faster than memopt's kernel in every case it serves on the H200 (BENCHMARKS.md)"
+CUDNN_WHY = "cuDNN's fused attention: faster than memopt's kernel in every case it serves (H200, H100; BENCHMARKS.md)"
 # The fill of a masked key in cuDNN's bias: finite, so that a row whose every key is masked stays finite (its
 # output is replaced below, and a NaN there would reach dk and dv in the backward); float16's lowest value,
 # representable in bfloat16 too, underflows exp beside any real score and does not overflow fp32 times log2(e).
@@ -782,11 +783,15 @@ def choose_kernel(candidate: AttentionMatch, config: Config) -> tuple[str, str]:
     if device.type != "cuda":  # assume_device="cuda" answers for a GPU: what would compute it there
         if config.assume_device != "cuda" or config.attention_kernel == "memopt":
             return otherwise, ""
-        blocker = cudnn_case_blocker(candidate)
-        return otherwise, "on CUDA: cuDNN's attention" if blocker is None else f"on CUDA: memopt's kernel ({blocker})"
+        blocker = cudnn_case_blocker(candidate, CUDNN_WIDE_HEAD_DIM)
+        if blocker is not None:
+            return otherwise, f"on CUDA: memopt's kernel ({blocker})"
+        if cudnn_case_blocker(candidate) is not None:  # a head dim only Hopper's cuDNN takes
+            return otherwise, f"on CUDA: cuDNN's attention on {CUDNN_WIDE_PLATFORM}, memopt's kernel elsewhere"
+        return otherwise, "on CUDA: cuDNN's attention"
     if config.attention_kernel == "memopt":
         return otherwise, "attention_kernel='memopt'"
-    blocker = _cudnn_platform_blocker(device) or cudnn_case_blocker(candidate)
+    blocker = _cudnn_platform_blocker(device) or cudnn_case_blocker(candidate, cudnn_head_dim_limit(device))
     if blocker is not None:
         return otherwise, f"cuDNN does not serve it: {blocker}"
     return "cudnn", CUDNN_WHY
@@ -815,8 +820,32 @@ WINDOW_KERNEL_WHY = "a sliding window: cuDNN's attention takes none, and SDPA's 
 SOFTCAP_KERNEL_WHY = "a softcap: no library attention kernel caps the scores"
 
 
-def cudnn_case_blocker(candidate: AttentionMatch) -> str | None:
-    """Why cuDNN's fused attention cannot compute this case exactly as the replaced code did, or None."""
+# cuDNN's fused attention takes head dims that are multiples of 8 up to 128 everywhere, and up to 256 on Hopper
+# (sm90) from cuDNN 9.10 on: the limit PyTorch's SDPA dispatch applies (``check_cudnn_tensor_shapes``). At Gemma's
+# head dim 256 with key padding, causal, bf16, 8×8×1024×256 on an H100 (cuDNN 9.19), cuDNN ran forward + backward
+# at 89 TFLOP/s against memopt's kernel's 43, at the same error against FP64 (benchmarks/attention_dispatch.py).
+CUDNN_HEAD_DIM = 128
+CUDNN_WIDE_HEAD_DIM = 256
+CUDNN_WIDE_CAPABILITY = (9, 0)
+CUDNN_WIDE_VERSION = 91000
+CUDNN_WIDE_PLATFORM = "sm90 with cuDNN 9.10 or newer"
+
+
+def head_dim_limit(capability: tuple[int, int], cudnn_version: int | None) -> int:
+    """The largest head dim cuDNN's attention takes on a GPU of ``capability`` with that cuDNN runtime."""
+    wide = capability == CUDNN_WIDE_CAPABILITY and (cudnn_version or 0) >= CUDNN_WIDE_VERSION
+    return CUDNN_WIDE_HEAD_DIM if wide else CUDNN_HEAD_DIM
+
+
+def cudnn_head_dim_limit(device: torch.device) -> int:
+    """``head_dim_limit`` of this CUDA device and the cuDNN that torch loaded."""
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return head_dim_limit(torch.cuda.get_device_capability(device), version)
+
+
+def cudnn_case_blocker(candidate: AttentionMatch, head_dim_limit: int = CUDNN_HEAD_DIM) -> str | None:
+    """Why cuDNN's fused attention cannot compute this case exactly as the replaced code did, or None.
+    ``head_dim_limit``: the platform's (``cudnn_head_dim_limit``); 128 serves on every GPU cuDNN 9 runs on."""
     if candidate.softcap is not None:
         return SOFTCAP_KERNEL_WHY
     if candidate.window is not None:
@@ -826,8 +855,9 @@ def cudnn_case_blocker(candidate: AttentionMatch) -> str | None:
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     head_dim = shapes.constant(q.shape[-1])
-    if head_dim is None or head_dim % 8 or head_dim > 128:
-        return f"head dim {shapes.render(q.shape[-1])} is not a multiple of 8 up to 128"
+    if head_dim is None or head_dim % 8 or head_dim > head_dim_limit:
+        wider = f" ({CUDNN_WIDE_HEAD_DIM} on {CUDNN_WIDE_PLATFORM})" if head_dim_limit < CUDNN_WIDE_HEAD_DIM else ""
+        return f"head dim {shapes.render(q.shape[-1])} is not a multiple of 8 up to {head_dim_limit}{wider}"
     if candidate.biases or candidate.bias_from_mask is not None or candidate.bias_rows:
         return "a bias other than key padding (learned, or a mask not proved) stays with memopt's kernel"
     if math.isnan(candidate.dropout_p) or math.isnan(candidate.scale):

@@ -812,8 +812,9 @@ def choose_variant(candidate: CceMatch, config: Config) -> tuple[str, str]:
         # whole_model`, H100): cce_with_logits 0.76× torch.compile's peak at 0.94× its time, the row-wise op 0.82×
         # at 0.86× (bf16 weights; under autocast 0.80× and 0.88×). Where a shallow graph's peak is mid-backward the
         # two peak alike and the extra GEMM shows: Mistral's 2 blocks, 0.87× either way, 1.06× torch.compile's time
-        # against 0.93× (`benchmarks/zoo.py`). Neither pricing nor the step's simulation sees the difference
-        # (docs/cce.md), so it is not weighed here.
+        # against 0.93× (`benchmarks/zoo.py`). The step's simulation sees the difference only for a caller that
+        # drops the logits before the backward (the usual loop); where the caller holds them the two free alike,
+        # and a graph cannot tell which caller it has (docs/cce.md), so it is not weighed here.
         held = shapes.format_bytes(shapes.hint(chunked - rowwise))
         return "chunked", (
             f"returned logits: the detached cce_with_logits keeps nothing for the backward, where the row-wise op "

@@ -916,14 +916,38 @@ class TestKernelChoice:
         ("dim", "dtype", "reason"),
         [
             (64, torch.float32, "it takes float16 and bfloat16, not float32"),
-            (12, torch.float16, "head dim 12 is not a multiple of 8 up to 128"),
-            (256, torch.bfloat16, "head dim 256 is not a multiple of 8 up to 128"),
+            (12, torch.float16, "head dim 12 is not a multiple of 8 up to 128 (256 on sm90 with cuDNN 9.10 or newer)"),
+            (256, torch.bfloat16, "head dim 256 is not a multiple of 8 up to 128 (256 on sm90 with cuDNN 9.10 or newer)"),
         ],
     )
     def test_cases_cudnn_does_not_serve(self, dim, dtype, reason):
         from fxpass.rules.attention import cudnn_case_blocker
 
         assert cudnn_case_blocker(_candidate(self.causal, *_qkv(dim=dim, dtype=dtype))) == reason
+
+    def test_head_dim_256_is_cudnns_on_hopper_only(self):
+        """Gemma's head dim 256: cuDNN takes it on sm90 from cuDNN 9.10 on (PyTorch's SDPA dispatch applies the
+        same limit); on an A100, or with an older cuDNN, memopt's kernel computes it. Past 256, nowhere."""
+        from fxpass.rules.attention import cudnn_case_blocker, head_dim_limit
+
+        assert head_dim_limit((9, 0), 91900) == 256
+        assert head_dim_limit((9, 0), 90800) == 128
+        assert head_dim_limit((8, 0), 91900) == 128
+        assert head_dim_limit((10, 0), 91900) == 128
+        assert head_dim_limit((9, 0), None) == 128
+        wide = _candidate(self.causal, *_qkv(dim=256, dtype=torch.bfloat16))
+        assert cudnn_case_blocker(wide, head_dim_limit((9, 0), 91900)) is None
+        wider = _candidate(self.causal, *_qkv(dim=264, dtype=torch.bfloat16))
+        assert cudnn_case_blocker(wider, 256) == "head dim 264 is not a multiple of 8 up to 256"
+
+    def test_assumed_cuda_names_the_platform_a_head_dim_256_needs(self):
+        """On a laptop the record cannot know the GPU: for head dim 256 it says which one would run cuDNN."""
+        inputs = _qkv(dim=256, dtype=torch.bfloat16)
+        ex = fxpass.explain(self.causal, *inputs, options={"force": True}, assume_device="cuda")
+        (record,) = _attention_records(ex)
+        assert record.params["kernel_reason"] == (
+            "on CUDA: cuDNN's attention on sm90 with cuDNN 9.10 or newer, memopt's kernel elsewhere"
+        )
 
     def test_a_learned_bias_stays_with_memopt(self):
         from fxpass.rules.attention import cudnn_case_blocker

@@ -192,6 +192,28 @@ def test_no_tt_tensor_at_length_2048():
     assert torch.cuda.max_memory_allocated() - base < square / 2
 
 
+def test_head_dim_256_runs_cudnn_where_the_gpu_takes_it():
+    """Gemma's head dim 256 under a causal padding mask: cuDNN on sm90 with cuDNN 9.10 or newer, memopt's kernel
+    elsewhere with the reason; either within eager's error."""
+    from fxpass.rules.attention import cudnn_head_dim_limit
+
+    wide = 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(B, H, T, wide), (B, KV_HEADS, T, wide), (B, KV_HEADS, T, wide)]
+    q, k, v = (torch.randn(*s, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_() for s in shapes)
+    inputs = [q, k, v, _padding("left")]
+    grad = torch.randn(B, H, T, wide, device="cuda")
+    fn = lambda q, k, v, pad: _sdpa(q, k, v, pad, True)  # noqa: E731
+    out, grads, records = _run(fn, inputs, grad)
+    (record,) = records
+    if cudnn_head_dim_limit(torch.device("cuda")) >= wide:
+        assert record.params["lowering"] == CUDNN_LOWERING, record
+    else:
+        assert record.params["lowering"] == "memopt.flash_attention", record
+        assert "head dim 256 is not a multiple of 8 up to 128" in record.params["kernel_reason"]
+    _assert_within_eager(fn, inputs, grad, records, out, grads)
+
+
 def test_cases_cudnn_does_not_serve_run_memopt_with_the_reason():
     q, k, v = _qkv(dtype=torch.float32)
     pad = _padding("left")
