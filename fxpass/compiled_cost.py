@@ -150,6 +150,8 @@ def compiled_cost(
 
     outputs = len(module.graph.find_nodes(op="output")[0].args[0])
     gpu = (device or _device_type(example_inputs)) == "cuda"
+    if gpu and _device_type(example_inputs) != "cuda":  # a laptop's graph, priced as a GPU runs it
+        module = with_cuda_sdpa_grouping(module)
     # Inductor's joint-graph passes read the fake mode from its virtualized handler (the random-seed pass of a
     # graph with dropout or ``torch.rand`` enters it). Its shape padding stays off: on a GPU (not from a laptop)
     # it would benchmark each GEMM on the device while pricing and write its padding into the joint graph, in a
@@ -203,6 +205,68 @@ def compiled_cost(
         _to_graph(returned, back, target_env), returned_largest,
         _to_graph(_largest({**forward_inside, **backward_inside}), back, target_env),
     )
+
+
+# ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with fewer key/value heads than query heads: on CUDA
+# SDPA's composite repeats the keys and values for the query heads before its cuDNN, efficient or math kernel
+# (``pre_process_group_query_attention_input`` in ATen's attention.cpp), so the compiled step saves the repeated
+# copies; on CPU its flash kernel reads the groups as they are. The Llama-3.2-1B shape compiled whole kept 32
+# [4, 8, 4, 2048, 64] bf16 copies on an H100 (1 GiB, `e2e-llama-whole-peak-contents-h100-2026-12-07.md`) that a
+# laptop's simulation did not see.
+_SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+
+
+def with_cuda_sdpa_grouping(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` with each grouped SDPA call's keys and values repeated for the query heads, as CUDA's SDPA
+    does, so that a graph traced on CPU is partitioned as a GPU runs it; ``module`` itself where there is none.
+    A copy: the user's graph is not touched."""
+    if not any(_grouped_sdpa(node) for node in module.graph.nodes):
+        return module
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in module.graph.nodes:
+        groups = _grouped_sdpa(node)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        if groups:
+            _repeat_heads(graph, env[node], groups)
+    copied = fx.GraphModule(module, graph)
+    copied.recompile()
+    return copied
+
+
+def _grouped_sdpa(node: fx.Node) -> int:
+    """The query heads per key/value head of an SDPA call with ``enable_gqa=True`` (0 where it is not one, or
+    the head counts are not constants)."""
+    if node.op != "call_function" or node.target not in _SDPA_TARGETS or not node.kwargs.get("enable_gqa"):
+        return 0
+    query, key = (node.args[i] if len(node.args) > i else node.kwargs.get(name) for i, name in ((0, "query"),
+                                                                                              (1, "key")))
+    values = [n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
+              for n in (query, key)]
+    if not all(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in values):
+        return 0
+    heads, kv_heads = (shapes.constant(v.shape[-3]) for v in values)
+    if not heads or not kv_heads or heads == kv_heads or heads % kv_heads:
+        return 0
+    return heads // kv_heads
+
+
+def _repeat_heads(graph: fx.Graph, sdpa: fx.Node, groups: int) -> None:
+    """Rewrite ``sdpa`` (in ``graph``) to read its key and value repeated ``groups`` times over the head dim,
+    ``enable_gqa`` off: the call CUDA's composite makes."""
+    args = list(sdpa.args)
+    kwargs = dict(sdpa.kwargs)
+    kwargs["enable_gqa"] = False
+    with graph.inserting_before(sdpa):
+        for index, name in ((1, "key"), (2, "value")):
+            source = args[index] if len(args) > index else kwargs[name]
+            repeated = graph.call_method("repeat_interleave", (source, groups), {"dim": -3})
+            repeated.meta = {k: v for k, v in sdpa.meta.items() if k not in ("example_value", "val")}
+            if len(args) > index:
+                args[index] = repeated
+            else:
+                kwargs[name] = repeated
+    sdpa.args, sdpa.kwargs = tuple(args), kwargs
 
 
 def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None) -> dict[str, Any]:

@@ -299,3 +299,31 @@ def test_holders_name_the_op_and_module_of_the_users_model():
     assert held["gradients"].endswith(", from the backward of linear in layers.0.down"), held
     assert compiled_cost._module_path("L['self'].model.layers[1].mlp") == "model.layers.1.mlp"
     assert compiled_cost._module_path("L['self']") == ""
+
+
+def test_a_laptop_prices_grouped_sdpa_with_the_repeated_heads_cuda_saves():
+    """``enable_gqa=True`` with 2 key/value heads for 8 query heads: on CPU SDPA reads the groups as they are, on
+    CUDA its composite repeats keys and values for the query heads first, so the step saves the repeated copies.
+    Priced for a GPU from a CPU (``assume_device="cuda"``) the saved bytes grow by exactly those copies beyond the
+    grouped ones, and the user's graph keeps its call as written."""
+    import fxpass
+
+    batch, heads, kv_heads, length, dim = 2, 8, 2, 256, 32
+
+    def attention(x, wq, wk, wv):
+        q = (x @ wq).view(batch, length, heads, dim).transpose(1, 2)
+        k = (x @ wk).view(batch, length, kv_heads, dim).transpose(1, 2)
+        v = (x @ wv).view(batch, length, kv_heads, dim).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum()
+
+    x = torch.randn(batch * length, 64)
+    weights = [torch.randn(64, n * dim, requires_grad=True) for n in (heads, kv_heads, kv_heads)]
+    cpu = fxpass.explain(attention, x, *weights, execute=False).graphs[0]
+    gpu = fxpass.explain(attention, x, *weights, execute=False, assume_device="cuda").graphs[0]
+    grown = gpu.step["torch.compile"].hints()["saved"] - cpu.step["torch.compile"].hints()["saved"]
+    assert grown == 2 * batch * (heads - kv_heads) * length * dim * 4
+    repeated = [t for t in gpu.step["torch.compile"].saved_tensors if f"[{batch}, {heads}, {length}, {dim}]" in t]
+    assert len(repeated) == 4  # q, the repeated k and v, the output
+    (sdpa,) = [n for n in gpu.graph_module.graph.nodes if n.target in compiled_cost._SDPA_TARGETS]
+    assert sdpa.kwargs["enable_gqa"] is True
+    assert compiled_cost.with_cuda_sdpa_grouping(gpu.graph_module) is not gpu.graph_module
