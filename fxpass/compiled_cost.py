@@ -239,16 +239,19 @@ def _grouped_sdpa(node: fx.Node) -> int:
     the head counts are not constants)."""
     if node.op != "call_function" or node.target not in _SDPA_TARGETS or not node.kwargs.get("enable_gqa"):
         return 0
-    query, key = (node.args[i] if len(node.args) > i else node.kwargs.get(name) for i, name in ((0, "query"),
-                                                                                              (1, "key")))
-    values = [n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else None
-              for n in (query, key)]
+    values = [_sdpa_value(node, index, name) for index, name in ((0, "query"), (1, "key"))]
     if not all(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in values):
         return 0
     heads, kv_heads = (shapes.constant(v.shape[-3]) for v in values)
     if not heads or not kv_heads or heads == kv_heads or heads % kv_heads:
         return 0
     return heads // kv_heads
+
+
+def _sdpa_value(node: fx.Node, index: int, name: str) -> Any:
+    """The example value of an SDPA call's argument, given by position or by name."""
+    arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
+    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else None
 
 
 def _repeat_heads(graph: fx.Graph, sdpa: fx.Node, groups: int) -> None:

@@ -843,9 +843,9 @@ def cudnn_head_dim_limit(device: torch.device) -> int:
     return head_dim_limit(torch.cuda.get_device_capability(device), version)
 
 
-def cudnn_case_blocker(candidate: AttentionMatch, head_dim_limit: int = CUDNN_HEAD_DIM) -> str | None:
+def cudnn_case_blocker(candidate: AttentionMatch, max_head_dim: int = CUDNN_HEAD_DIM) -> str | None:
     """Why cuDNN's fused attention cannot compute this case exactly as the replaced code did, or None.
-    ``head_dim_limit``: the platform's (``cudnn_head_dim_limit``); 128 serves on every GPU cuDNN 9 runs on."""
+    ``max_head_dim``: the platform's (``cudnn_head_dim_limit``); 128 serves on every GPU cuDNN 9 runs on."""
     if candidate.softcap is not None:
         return SOFTCAP_KERNEL_WHY
     if candidate.window is not None:
@@ -855,9 +855,9 @@ def cudnn_case_blocker(candidate: AttentionMatch, head_dim_limit: int = CUDNN_HE
     if dtype not in (torch.float16, torch.bfloat16):
         return f"it takes float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     head_dim = shapes.constant(q.shape[-1])
-    if head_dim is None or head_dim % 8 or head_dim > head_dim_limit:
-        wider = f" ({CUDNN_WIDE_HEAD_DIM} on {CUDNN_WIDE_PLATFORM})" if head_dim_limit < CUDNN_WIDE_HEAD_DIM else ""
-        return f"head dim {shapes.render(q.shape[-1])} is not a multiple of 8 up to {head_dim_limit}{wider}"
+    if head_dim is None or head_dim % 8 or head_dim > max_head_dim:
+        wider = f" ({CUDNN_WIDE_HEAD_DIM} on {CUDNN_WIDE_PLATFORM})" if max_head_dim < CUDNN_WIDE_HEAD_DIM else ""
+        return f"head dim {shapes.render(q.shape[-1])} is not a multiple of 8 up to {max_head_dim}{wider}"
     if candidate.biases or candidate.bias_from_mask is not None or candidate.bias_rows:
         return "a bias other than key padding (learned, or a mask not proved) stays with memopt's kernel"
     if math.isnan(candidate.dropout_p) or math.isnan(candidate.scale):
