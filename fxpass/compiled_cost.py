@@ -43,6 +43,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpass import shapes
+from fxpass.graph import SDPA_NAMES, bind_sdpa, tensor_value
 from lowerings._library import WORKSPACES
 
 log = logging.getLogger(__name__)
@@ -213,9 +214,6 @@ def compiled_cost(
 # copies; on CPU its flash kernel reads the groups as they are. The Llama-3.2-1B shape compiled whole kept 32
 # [4, 8, 4, 2048, 64] bf16 copies on an H100 (1 GiB, `e2e-llama-whole-peak-contents-h100-2026-12-07.md`) that a
 # laptop's simulation did not see.
-_SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-
-
 def with_cuda_sdpa_grouping(module: fx.GraphModule) -> fx.GraphModule:
     """``module`` with each grouped SDPA call's keys and values repeated for the query heads, as CUDA's SDPA
     does, so that a graph traced on CPU is partitioned as a GPU runs it; ``module`` itself where there is none.
@@ -228,7 +226,7 @@ def with_cuda_sdpa_grouping(module: fx.GraphModule) -> fx.GraphModule:
         groups = _grouped_sdpa(node)
         env[node] = graph.node_copy(node, lambda n: env[n])
         if groups:
-            _repeat_heads(graph, env[node], groups)
+            _repeat_keys_and_values(graph, env[node], groups)
     copied = fx.GraphModule(module, graph)
     copied.recompile()
     return copied
@@ -237,10 +235,11 @@ def with_cuda_sdpa_grouping(module: fx.GraphModule) -> fx.GraphModule:
 def _grouped_sdpa(node: fx.Node) -> int:
     """The query heads per key/value head of an SDPA call with ``enable_gqa=True`` (0 where it is not one, or
     the head counts are not constants)."""
-    if node.op != "call_function" or node.target not in _SDPA_TARGETS or not node.kwargs.get("enable_gqa"):
+    bound = bind_sdpa(node)
+    if bound is None or not bound["enable_gqa"]:
         return 0
-    values = [_sdpa_value(node, index, name) for index, name in ((0, "query"), (1, "key"))]
-    if not all(isinstance(v, torch.Tensor) and v.dim() >= 3 for v in values):
+    values = [tensor_value(bound[name]) for name in ("query", "key")]
+    if not all(v is not None and v.dim() >= 3 for v in values):
         return 0
     heads, kv_heads = (shapes.constant(v.shape[-3]) for v in values)
     if not heads or not kv_heads or heads == kv_heads or heads % kv_heads:
@@ -248,28 +247,17 @@ def _grouped_sdpa(node: fx.Node) -> int:
     return heads // kv_heads
 
 
-def _sdpa_value(node: fx.Node, index: int, name: str) -> Any:
-    """The example value of an SDPA call's argument, given by position or by name."""
-    arg = node.args[index] if len(node.args) > index else node.kwargs.get(name)
-    return arg.meta.get("example_value", arg.meta.get("val")) if isinstance(arg, fx.Node) else None
-
-
-def _repeat_heads(graph: fx.Graph, sdpa: fx.Node, groups: int) -> None:
+def _repeat_keys_and_values(graph: fx.Graph, sdpa: fx.Node, groups: int) -> None:
     """Rewrite ``sdpa`` (in ``graph``) to read its key and value repeated ``groups`` times over the head dim,
     ``enable_gqa`` off: the call CUDA's composite makes."""
-    args = list(sdpa.args)
-    kwargs = dict(sdpa.kwargs)
-    kwargs["enable_gqa"] = False
+    bound = bind_sdpa(sdpa)
     with graph.inserting_before(sdpa):
-        for index, name in ((1, "key"), (2, "value")):
-            source = args[index] if len(args) > index else kwargs[name]
-            repeated = graph.call_method("repeat_interleave", (source, groups), {"dim": -3})
-            repeated.meta = {k: v for k, v in sdpa.meta.items() if k not in ("example_value", "val")}
-            if len(args) > index:
-                args[index] = repeated
-            else:
-                kwargs[name] = repeated
-    sdpa.args, sdpa.kwargs = tuple(args), kwargs
+        key, value = (graph.call_method("repeat_interleave", (bound[name], groups), {"dim": -3})
+                      for name in ("key", "value"))
+    for repeated in (key, value):
+        repeated.meta = {k: v for k, v in sdpa.meta.items() if k not in ("example_value", "val")}
+    sdpa.args = (bound["query"], key, value)
+    sdpa.kwargs = {**{name: bound[name] for name in SDPA_NAMES[3:]}, "enable_gqa": False}
 
 
 def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None) -> dict[str, Any]:

@@ -47,8 +47,10 @@ from fxpass import masks, shapes
 from fxpass.config import Config, assumed_device
 from fxpass.graph import (
     MATMUL_TARGETS,
+    SDPA_TARGETS,
     GraphFacts,
     bind_args,
+    bind_sdpa,
     cast_to,
     describe_node,
     erase_unused,
@@ -63,7 +65,6 @@ from fxpass.rules.base import Decision, Rule, decide_on_saving
 NAME = "attention"
 
 SOFTMAX_TARGETS = (torch.softmax, F.softmax)
-SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 # q @ kᵀ and probabilities @ v: the graph's matmul spellings plus bmm over [B·H, T, D].
 SCORE_MATMULS = (*MATMUL_TARGETS, torch.bmm)
 # A fill value at or below this masks a score out completely (finfo(float32).min and -inf included).
@@ -186,7 +187,6 @@ def match(facts: GraphFacts) -> list[AttentionMatch]:
 SDPA_FUSED = "F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is"
 
 
-_SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 CUDNN_LOWERING = "aten._scaled_dot_product_cudnn_attention (cuDNN)"
 CUDNN_WHY = "cuDNN's fused attention: faster than memopt's kernel in every case it serves (H200, H100; BENCHMARKS.md)"
 # The fill of a masked key in cuDNN's bias: finite, so that a row whose every key is masked stays finite (its
@@ -195,7 +195,6 @@ CUDNN_WHY = "cuDNN's fused attention: faster than memopt's kernel in every case 
 CUDNN_MASK_FILL = -65504.0
 # cuDNN reads the bias's rows at this alignment (elements); a key count off it gets a padded bias.
 CUDNN_BIAS_ALIGNMENT = 8
-_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
 def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
@@ -206,7 +205,7 @@ def _match_sdpa(node: fx.Node, facts: GraphFacts) -> AttentionMatch:
     and a key bias (``choose_kernel``: cuDNN's on CUDA where it serves, else ``memopt.flash_attention``). A
     causal sliding window (with or without padding), which no SDPA argument expresses, becomes
     ``memopt.flash_attention`` with its ``window``."""
-    bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
+    bound = bind_sdpa(node)
     mask = bound.get("attn_mask") if bound else None
     if bound is None or not isinstance(mask, fx.Node) or bound["is_causal"] is not False:
         return AttentionMatch(node, blocker=SDPA_FUSED)
@@ -1061,7 +1060,7 @@ def _sdpa_with_mask_structure(add, candidate: AttentionMatch) -> fx.Node:
     Under autocast with mixed input dtypes, q, k, v and a float mask are cast to autocast's dtype here, as autocast
     does inside SDPA: the new node's value is computed outside autocast, where SDPA rejects mixed dtypes."""
     node = candidate.softmax
-    bound = bind_args(node, _SDPA_NAMES, _SDPA_DEFAULTS)
+    bound = bind_sdpa(node)
     q, k, v = bound["query"], bound["key"], bound["value"]
     if candidate.compute_dtype is not None:
         q, k, v = (cast_to(add, t, candidate.compute_dtype) for t in (q, k, v))
@@ -1195,7 +1194,7 @@ def _inputs_left_dead(candidate: AttentionMatch) -> list[fx.Node]:
     """kᵀ and HF's repeat_kv copies of k and v, which only the replaced matmuls (or SDPA) read."""
     first, last = candidate.chain[0], candidate.chain[-1]
     if _is_sdpa(first):
-        bound = bind_args(first, _SDPA_NAMES, _SDPA_DEFAULTS) or {}
+        bound = bind_sdpa(first) or {}
         found, starts = [], [bound.get("key"), bound.get("value")]
     elif _einsum_form(first) is not None or _einsum_form(last) is not None:
         return []  # einsum reads k and v as they are

@@ -307,6 +307,7 @@ def test_a_laptop_prices_grouped_sdpa_with_the_repeated_heads_cuda_saves():
     Priced for a GPU from a CPU (``assume_device="cuda"``) the saved bytes grow by exactly those copies beyond the
     grouped ones, and the user's graph keeps its call as written."""
     import fxpass
+    from fxpass.graph import SDPA_TARGETS
 
     batch, heads, kv_heads, length, dim = 2, 8, 2, 256, 32
 
@@ -324,6 +325,6 @@ def test_a_laptop_prices_grouped_sdpa_with_the_repeated_heads_cuda_saves():
     assert grown == 2 * batch * (heads - kv_heads) * length * dim * 4
     repeated = [t for t in gpu.step["torch.compile"].saved_tensors if f"[{batch}, {heads}, {length}, {dim}]" in t]
     assert len(repeated) == 4  # q, the repeated k and v, the output
-    (sdpa,) = [n for n in gpu.graph_module.graph.nodes if n.target in compiled_cost._SDPA_TARGETS]
+    (sdpa,) = [n for n in gpu.graph_module.graph.nodes if n.target in SDPA_TARGETS]
     assert sdpa.kwargs["enable_gqa"] is True
     assert compiled_cost.with_cuda_sdpa_grouping(gpu.graph_module) is not gpu.graph_module
