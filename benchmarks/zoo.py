@@ -433,6 +433,11 @@ def measure(case: Case, prepared: list[tuple[Run, Callable]], steps: int, device
                  "-" if run.peak_mib is None else f"{run.peak_mib:.0f}")
 
 
+def step_dtype(device: torch.device) -> torch.dtype:
+    """The weights' dtype of a zoo step: bf16 on a GPU, fp32 on CPU (whose bf16 GEMMs are slow)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def model_and_batch(case: Case, args, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
     """The case's model and the step's keyword arguments (``--tiny`` caps the tokens); notes the tokens and the
     attention implementation on ``case``."""
@@ -448,9 +453,8 @@ def prepare(case: Case, backend: str, args, device: torch.device, options: dict,
     """Build, compile and warm up one backend's copy; its run (with the error, if one was raised) and its step,
     which is None where it failed."""
     run = case.runs[backend] = Run(backend)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        model, inputs = model_and_batch(case, args, device, dtype)
+        model, inputs = model_and_batch(case, args, device, step_dtype(device))
         step = compiled_step(model, inputs, backend, args.inner, options, reports.append)
         first_calls(run, step, device)
         log.info("%s %s %s: first call %.1f s, loss %.4f", case.family, case.mask, backend, run.first_call_s, run.loss)

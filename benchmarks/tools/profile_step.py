@@ -46,6 +46,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 ZOO_PREFIX = "zoo:"
+ZOO_LAYERS = 2  # the zoo's own --layers default
 
 
 def e2e_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
@@ -61,8 +62,9 @@ def e2e_step(args: argparse.Namespace, backend: str, options: dict, device: torc
 
 
 def zoo_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
-    """One step of ``benchmarks/zoo.py``'s case for the family after "zoo:": the zoo's model in bf16 (fp32 off
-    CUDA), the whole model compiled, the output alive through the backward, as the zoo measures it."""
+    """One step of ``benchmarks/zoo.py``'s case for the family after "zoo:", built by the zoo's own
+    ``model_and_batch`` (bf16 on CUDA, fp32 off it; ``--tiny`` caps the tokens as the zoo does): the whole model
+    compiled, the output alive through the backward, as the zoo measures it."""
     from benchmarks import zoo
 
     if args.flow not in ("whole_model", "padded"):
@@ -70,10 +72,9 @@ def zoo_step(args: argparse.Namespace, backend: str, options: dict, device: torc
     family = args.model.removeprefix(ZOO_PREFIX)
     if family not in zoo.FAMILIES:
         raise SystemExit(f"--model {args.model}: no zoo family {family!r} (one of {', '.join(zoo.FAMILIES)})")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = zoo.build_model(family, args.layers or 2, args.tiny, args.seq, device, dtype)
-    inputs = zoo.make_batch(zoo.FAMILIES[family].task, model.config.vocab_size, args.batch, args.seq,
-                            args.flow == "padded", device)
+    case = zoo.Case(family, "padded" if args.flow == "padded" else "none", zoo.FAMILIES[family].decoder)
+    sizes = argparse.Namespace(**{**vars(args), "layers": args.layers or ZOO_LAYERS})
+    model, inputs = zoo.model_and_batch(case, sizes, device, zoo.step_dtype(device))
     return zoo.compiled_step(model, inputs, backend, "inductor", options, sink=lambda report: None)
 
 
