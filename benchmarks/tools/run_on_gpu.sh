@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device-machine session: install carried wheels, run the GPU tests, then the given benchmark commands.
+# One call on the device machine: install carried wheels, run the GPU tests, then the given benchmark commands.
 #   bash benchmarks/tools/run_on_gpu.sh "python benchmarks/tools/cce_tune.py" "python benchmarks/cce.py --out \$OUT/cce"
 # Logs go to $OUT (the device tool brings them back). Pure-Python wheels the GPU image lacks go in .whl/ (ignored
 # by git; carry it): python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
