@@ -2,9 +2,12 @@
 
     python benchmarks/tools/attention_tune.py                       # the shapes of benchmarks/attention.py
     python benchmarks/tools/attention_tune.py --shapes 4x16x4096x128 --dtype float16
+    python benchmarks/tools/attention_tune.py --shapes 8x8x1024x256 --causal yes --key-padding   # Gemma's, padded
 
 Forward FLOPs 4·B·H·T²·d, backward 2.5× that (halved when causal), as in ``benchmarks/attention.py``. Every
-setting's output is checked against SDPA's so a setting that computes garbage cannot win. The fastest settings
+setting's output is checked against SDPA's so a setting that computes garbage cannot win. ``--key-padding``
+adds the key bias memopt's mask proofs build ([B, 1, 1, Tk], 0 / -inf; right padding keeping half to all of each
+sequence, as ``benchmarks/attention_dispatch.py``), FLOPs still counted over every key. The fastest settings
 per head dim become ``_tiles``' choice in ``lowerings/flash_attention/kernels.py``.
 """
 
@@ -60,27 +63,42 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
 
 
+def _key_padding(b: int, h: int, t: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """[B, H, T, T] view of a [B, 1, 1, T] 0 / -inf right-padding bias, each sequence keeping T/2 to T keys."""
+    lengths = torch.randint(t // 2, t + 1, (b,), device="cuda", generator=gen)
+    keep = torch.arange(t, device="cuda")[None, :] < lengths[:, None]
+    bias = torch.zeros(b, 1, 1, t, device="cuda", dtype=dtype).masked_fill(~keep[:, None, None], float("-inf"))
+    return bias.expand(b, h, t, t)
+
+
 def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype,
-          passes: tuple[str, ...] = ("forward", "backward")) -> list[dict]:
+          passes: tuple[str, ...] = ("forward", "backward"), key_padding: bool = False) -> list[dict]:
     """One row per setting of each pass: TFLOP/s and the max deviation from SDPA's output or gradient."""
     b, h, t, d = shape
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     gen = torch.Generator(device="cuda").manual_seed(t)
     q, k, v, grad = (torch.randn(b, h, t, d, device="cuda", generator=gen).to(dtype) for _ in range(4))
+    bias = _key_padding(b, h, t, dtype, gen) if key_padding else None
     scale = d**-0.5
     with torch.enable_grad():
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        expected = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        if bias is None:
+            expected = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        else:  # SDPA takes no causal flag beside a mask: the causal part joins the bias
+            above = torch.ones(t, t, device="cuda", dtype=torch.bool).triu(1) if causal else None
+            mask = bias if above is None else bias.masked_fill(above, float("-inf"))
+            expected = F.scaled_dot_product_attention(*leaves, attn_mask=mask)
         expected_dq = torch.autograd.grad(expected, leaves[0], grad)[0]
-    out, lse = kernels.forward(q, k, v, None, scale, causal, 0.0, None)
+    out, lse = kernels.forward(q, k, v, bias, scale, causal, 0.0, None)
     rows = []
     for setting in FORWARD if "forward" in passes else ():
         tiles = dict(zip(FORWARD_KEYS, setting, strict=True))
-        row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "forward", "setting": setting}
+        row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "forward", "setting": setting,
+               "key_padding": key_padding}
         try:
             with kernels.forced_tiles(forward=tiles):
-                got = kernels.forward(q, k, v, None, scale, causal, 0.0, None)[0]
-                ms = _bench(lambda: kernels.forward(q, k, v, None, scale, causal, 0.0, None))
+                got = kernels.forward(q, k, v, bias, scale, causal, 0.0, None)[0]
+                ms = _bench(lambda: kernels.forward(q, k, v, bias, scale, causal, 0.0, None))
             row |= {"tflops": flops / ms / 1e9, "ms": ms, "deviation": (got - expected).abs().max().item()}
         except Exception as error:  # a setting over the shared-memory limit must not stop the sweep
             row["note"] = error_note(error)
@@ -88,10 +106,11 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype,
         log.info("%s", row)
     for setting in BACKWARD if "backward" in passes else ():
         tiles = dict(zip(BACKWARD_KEYS, setting, strict=True))
-        row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "backward", "setting": setting}
+        row = {"shape": "x".join(map(str, shape)), "causal": causal, "pass": "backward", "setting": setting,
+               "key_padding": key_padding}
         try:
             with kernels.forced_tiles(backward=tiles):
-                run = lambda: kernels.backward(q, k, v, None, out, lse, grad, scale, causal, 0.0, None)[:3]  # noqa: E731
+                run = lambda: kernels.backward(q, k, v, bias, out, lse, grad, scale, causal, 0.0, None)[:3]  # noqa: E731
                 dq = run()[0]
                 ms = _bench(run)
             row |= {"tflops": 2.5 * flops / ms / 1e9, "ms": ms, "deviation": (dq - expected_dq).abs().max().item()}
@@ -108,6 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--passes", default="forward,backward", help="which kernels to sweep")
     parser.add_argument("--causal", default="no,yes", help="no, yes or both (no,yes)")
+    parser.add_argument("--key-padding", action="store_true", help="with a key-padding bias (right padding)")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     args = parser.parse_args(argv)
     set_up(args.out)
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for text in args.shapes.split(","):
         shape = tuple(int(x) for x in text.split("x"))
         for causal in [{"no": False, "yes": True}[c] for c in args.causal.split(",")]:
-            rows += sweep(shape, causal, getattr(torch, args.dtype), tuple(args.passes.split(",")))
+            rows += sweep(shape, causal, getattr(torch, args.dtype), tuple(args.passes.split(",")), args.key_padding)
     (args.out / "attention_tune.json").write_text(json.dumps(rows, indent=2))
     for key in sorted({(r["shape"], r["causal"], r["pass"]) for r in rows}):
         ranked = sorted((r for r in rows if (r["shape"], r["causal"], r["pass"]) == key and "tflops" in r),

@@ -16,6 +16,10 @@ and only the blocks that straddle it (or the ragged end of the keys) pay for a m
 masked (a -inf bias) gets output 0 and lse -inf. Dropout keeps element (b, h, i, j) iff
 tl.rand(seed, ((b·Hq + h)·Tq + i)·Tk + j) ≥ p, so the backward redraws the forward's mask instead of storing it.
 
+A key bias (the same row of keys for every query: key padding) is read as one vector a tile, and key blocks
+outside the span of keys it leaves above -inf, per (batch, head), are never visited: right padding's tail and
+left padding's head cost nothing, forward or backward.
+
 A sliding window of w keys (with causal: query i sees keys i − w < j ≤ i, as FA2's ``window_size=(w − 1, 0)``)
 adds a second band edge: key blocks wholly left of every row's window are never visited either, and only the
 blocks that straddle one of the two edges pay for a mask, so the work is O(T·w). A softcap c replaces each
@@ -87,8 +91,8 @@ def _kept(seed, offsets, dropout_p):
 @triton.jit
 def _base2_scores(
     a, b, bias, q_idx, k_idx, len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
-    WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
 ):
     """(s, t) for one tile: s = (softcap(a bᵀ·scale) + bias)·log2 e, -inf where masked; t = tanh(a bᵀ·scale / c)
     with SOFTCAP (the backward's slope is 1 − t²), else s again.
@@ -96,6 +100,8 @@ def _base2_scores(
     q_idx and k_idx broadcast to the tile: [M, 1] and [1, N] for a queries × keys tile, the other way round
     for the keys × queries tile of the dK/dV kernel. Unmasked tiles lie wholly inside the keys, the causal band
     and the window. With SOFTCAP, cap_scale = scale / c and cap_out = c·log2 e; qk_scale = scale·log2 e otherwise.
+    KEY_BIAS: the bias is one row of keys for every query (stride_bm = 0, key padding), loaded once per tile as a
+    vector rather than gathered as a tile of repeated addresses.
     """
     raw = _dot(a, tl.trans(b), IEEE)
     if SOFTCAP:
@@ -104,7 +110,9 @@ def _base2_scores(
     else:
         s = raw * qk_scale
         t = s
-    if HAS_BIAS:
+    if HAS_BIAS and KEY_BIAS:
+        s += tl.load(bias + k_idx.to(tl.int64) * stride_bn, mask=k_idx < len_k, other=0.0).to(tl.float32) * _LOG2E
+    elif HAS_BIAS:
         inside = (q_idx < len_q) & (k_idx < len_k)
         offsets = q_idx.to(tl.int64) * stride_bm + k_idx.to(tl.int64) * stride_bn
         s += tl.load(bias + offsets, mask=inside, other=0.0).to(tl.float32) * _LOG2E
@@ -180,6 +188,37 @@ def _row_stats(Lse, Delta, offsets, ok):
     return lse, tl.load(Delta + offsets, mask=ok, other=0.0)
 
 
+@triton.jit
+def _key_span(Span, bh, KEY_BIAS: tl.constexpr):
+    """(first, one past the last) key of this (batch, head) whose key bias is not -inf; keys outside are masked
+    for every query, so tiles wholly outside are skipped (right padding's tail, left padding's head). Without
+    KEY_BIAS, (0, 0), which ``_clip`` ignores."""
+    first = 0
+    stop = 0
+    if KEY_BIAS:
+        first = tl.load(Span + bh * 2)
+        stop = tl.load(Span + bh * 2 + 1)
+    return first, stop
+
+
+@triton.jit
+def _clip(start, stop, first, last, KEY_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """A range of key blocks [start, stop) cut to the blocks that hold a key of the span [first, last)."""
+    if KEY_BIAS:
+        start = tl.maximum(start, first // BLOCK * BLOCK)
+        stop = tl.minimum(stop, last)
+    return start, stop
+
+
+@triton.jit
+def _spans_block(first, last, start_n, KEY_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether the key block [start_n, start_n + BLOCK_N) holds a key of the span [first, last)."""
+    seen = True
+    if KEY_BIAS:
+        seen = (start_n < last) & (start_n + BLOCK_N > first)
+    return seen
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Forward
 
@@ -221,7 +260,8 @@ def _dropout_seed(Seed, HAS_DROPOUT: tl.constexpr):
 def _forward_step(
     acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
     stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -236,7 +276,7 @@ def _forward_step(
         k = _load_rows(K, cols, len_k, stride_kt, HEAD_DIM, BLOCK_D)
     s, _ = _base2_scores(
         q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out,
-        window, MASKED, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, IEEE,
+        window, MASKED, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, IEEE,
     )
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: avoid exp2(-inf − -inf)
@@ -255,11 +295,12 @@ def _forward_step(
 
 @triton.jit
 def _forward_kernel(
-    Q, K, V, Bias, Out, Lse, Seed,
+    Q, K, V, Bias, Span, Out, Lse, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_ob, stride_oh, stride_ot,
     n_heads, n_kv_heads, len_q, len_k, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
@@ -296,23 +337,27 @@ def _forward_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, edge, free, end = _key_range(start_m, len_k, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, edge, BLOCK_N):  # the window's left edge (none without a window)
+    first, last = _key_span(Span, bh, KEY_BIAS)
+    edge_lo, edge_hi = _clip(lo, edge, first, last, KEY_BIAS, BLOCK_N)
+    free_lo, free_hi = _clip(edge, free, first, last, KEY_BIAS, BLOCK_N)
+    end_lo, end_hi = _clip(free, end, first, last, KEY_BIAS, BLOCK_N)
+    for start_n in range(edge_lo, edge_hi, BLOCK_N):  # the window's left edge (none without a window)
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
+            True, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
-    for start_n in tl.range(edge, free, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+    for start_n in tl.range(free_lo, free_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-            False, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
+            False, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
-    for start_n in range(free, end, BLOCK_N):
+    for start_n in range(end_lo, end_hi, BLOCK_N):
         acc, m_i, l_i = _forward_step(
             acc, m_i, l_i, q, K, V, bias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
+            True, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D, TMA,
         )
 
     if HAS_DROPOUT:
@@ -350,7 +395,8 @@ def _delta_kernel(
 def _dq_step(
     dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
     stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BIAS_GRAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -362,7 +408,7 @@ def _dq_step(
     v = _load_rows(V, cols, len_k, stride_vt, HEAD_DIM, BLOCK_D)
     s, t = _base2_scores(
         q, k, bias, rows[:, None], cols[None, :], len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out,
-        window, MASKED, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, IEEE,
+        window, MASKED, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, IEEE,
     )
     p = tl.math.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), IEEE)
@@ -379,11 +425,12 @@ def _dq_step(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, Bias, GradOut, Lse, Delta, DQ, DBias, Seed,
+    Q, K, V, Bias, Span, GradOut, Lse, Delta, DQ, DBias, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt, stride_db, stride_dh, stride_dt,
     n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS_GRAD: tl.constexpr,
 ):
@@ -404,23 +451,30 @@ def _dq_kernel(
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     lo, edge, free, end = _key_range(start_m, len_k, window, CAUSAL, WINDOW, BLOCK_M, BLOCK_N)
-    for start_n in range(lo, edge, BLOCK_N):
+    first, last = _key_span(Span, bh, KEY_BIAS)
+    edge_lo, edge_hi = _clip(lo, edge, first, last, KEY_BIAS, BLOCK_N)
+    free_lo, free_hi = _clip(edge, free, first, last, KEY_BIAS, BLOCK_N)
+    end_lo, end_hi = _clip(free, end, first, last, KEY_BIAS, BLOCK_N)
+    for start_n in range(edge_lo, edge_hi, BLOCK_N):
         dq = _dq_step(
             dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            True, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N,
+            BLOCK_D,
         )
-    for start_n in range(edge, free, BLOCK_N):
+    for start_n in range(free_lo, free_hi, BLOCK_N):
         dq = _dq_step(
             dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-            False, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            False, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N,
+            BLOCK_D,
         )
-    for start_n in range(free, end, BLOCK_N):
+    for start_n in range(end_lo, end_hi, BLOCK_N):
         dq = _dq_step(
             dq, q, do, lse, delta, K, V, bias, dbias, seed, drop_rows, rows, start_n, len_q, len_k,
             stride_kt, stride_vt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-            True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N, BLOCK_D,
+            True, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, BIAS_GRAD, HAS_DROPOUT, IEEE, HEAD_DIM, BLOCK_N,
+            BLOCK_D,
         )
     _store_rows(DQ + b * stride_db + h * stride_dh, rows, len_q, stride_dt, dq * scale, HEAD_DIM, BLOCK_D)
 
@@ -429,7 +483,8 @@ def _dq_kernel(
 def _dkdv_step(
     dk, dv, k, v, Q, GradOut, Lse, Delta, DQ, bias, seed, row_base, cols, start_m, len_q, len_k,
     stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -443,7 +498,7 @@ def _dkdv_step(
     lse, delta = _row_stats(Lse, Delta, row_base + rows, rows < len_q)
     s_t, t_t = _base2_scores(
         k, q, bias, rows[None, :], cols[:, None], len_q, len_k, stride_bm, stride_bn, qk_scale, cap_scale, cap_out,
-        window, MASKED, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, IEEE,
+        window, MASKED, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, IEEE,
     )
     p_t = tl.math.exp2(s_t - lse[None, :])
     dp_t = _dot(v, tl.trans(do), IEEE)
@@ -467,12 +522,13 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, Bias, GradOut, Lse, Delta, DK, DV, DQ, Seed,
+    Q, K, V, Bias, Span, GradOut, Lse, Delta, DK, DV, DQ, Seed,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_bb, stride_bh, stride_bm, stride_bn, stride_gb, stride_gh, stride_gt,
     stride_dkb, stride_dkh, stride_dkt, stride_dvb, stride_dvh, stride_dvt,
     n_heads, n_kv_heads, len_q, len_k, qk_scale, scale, cap_scale, cap_out, window, dropout_p, keep_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_BIAS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
@@ -503,26 +559,30 @@ def _dkdv_kernel(
         bias = _head_bias(Bias, b, h, stride_bb, stride_bh, HAS_BIAS)
         row_base = (b * n_heads + h) * len_q
         dq_h = DQ + row_base * HEAD_DIM if ATOMIC_DQ else DQ
-        for start_m in range(lo, mid, BLOCK_M):
+        first, last = _key_span(Span, b * n_heads + h, KEY_BIAS)
+        # a key block wholly outside this head's span is masked for every query: its dK, dV terms are 0
+        h_hi = tl.where(_spans_block(first, last, start_n, KEY_BIAS, BLOCK_N), hi, lo)
+        h_mid, h_free_end = tl.minimum(mid, h_hi), tl.minimum(free_end, h_hi)
+        for start_m in range(lo, h_mid, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
                 stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-                keep_scale, True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
-                BLOCK_D,
+                keep_scale, True, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM,
+                BLOCK_M, BLOCK_D,
             )
-        for start_m in range(mid, free_end, BLOCK_M):
+        for start_m in range(h_mid, h_free_end, BLOCK_M):
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
                 stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-                keep_scale, False, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
-                BLOCK_D,
+                keep_scale, False, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM,
+                BLOCK_M, BLOCK_D,
             )
-        for start_m in range(free_end, hi, BLOCK_M):  # the window's far edge (none without a window)
+        for start_m in range(h_free_end, h_hi, BLOCK_M):  # the window's far edge (none without a window)
             dk, dv = _dkdv_step(
                 dk, dv, k, v, q_h, do_h, Lse, Delta, dq_h, bias, seed, row_base, cols, start_m, len_q, len_k,
                 stride_qt, stride_gt, stride_bm, stride_bn, qk_scale, cap_scale, cap_out, window, dropout_p,
-                keep_scale, True, CAUSAL, HAS_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
-                BLOCK_D,
+                keep_scale, True, CAUSAL, HAS_BIAS, KEY_BIAS, SOFTCAP, WINDOW, HAS_DROPOUT, IEEE, ATOMIC_DQ, HEAD_DIM,
+                BLOCK_M, BLOCK_D,
             )
     _store_rows(DK + b * stride_dkb + kv * stride_dkh, cols, len_k, stride_dkt, dk * scale, HEAD_DIM, BLOCK_D)
     _store_rows(DV + b * stride_dvb + kv * stride_dvh, cols, len_k, stride_dvt, dv, HEAD_DIM, BLOCK_D)
@@ -550,8 +610,9 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     """(forward, backward) launch settings for a padded head dim and dtype, fixed rather than autotuned.
 
     Forward: BLOCK_M queries pinned against BLOCK_N streamed keys. Backward: PINNED rows (queries for dQ, keys
-    for dK/dV) against SWEPT streamed rows. ``extras`` (a bias or dropout) adds a tile of bias values or Philox
-    state to every step, so those launches get more warps or narrower streamed tiles. A softcap (a tanh per score,
+    for dK/dV) against SWEPT streamed rows. ``extras`` (a bias that varies over the queries, or dropout) adds a
+    tile of bias values or Philox state to every step, so those launches get more warps or narrower streamed tiles;
+    a key bias (key padding) adds one vector a tile and keeps the settings without one. A softcap (a tanh per score,
     kept until dS) and a window (one more comparison in the masked tiles) load nothing more: they keep the
     settings of their case (not swept with them on a GPU).
 
@@ -624,6 +685,32 @@ def _bias_strides(bias: torch.Tensor | None) -> tuple[int, int, int, int]:
     return (0, 0, 0, 0) if bias is None else bias.stride()
 
 
+def _is_key_bias(bias: torch.Tensor | None) -> bool:
+    """A bias every query reads alike (stride 0 over the queries): key padding, as memopt's mask proofs build it."""
+    return bias is not None and (bias.stride(2) == 0 or bias.shape[2] == 1)
+
+
+def _extras(bias: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether a launch streams a tile of bias values or dropout draws beside the scores (``_tiles``); a key
+    bias is one vector a tile and keeps the settings of its case without one."""
+    return (bias is not None and not _is_key_bias(bias)) or dropout_p > 0.0
+
+
+def _key_spans(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, Hq, 2] int32 (first, one past the last) key whose key bias is above -inf, per (batch, head); None
+    unless the bias is a key bias. Computed on the device from the [B, Hq or 1, Tk] row (no host sync); a row of
+    only -inf gives (Tk, 0), an empty span."""
+    if not _is_key_bias(bias):
+        return None
+    keys = bias[:, :1, 0, :] if bias.stride(1) == 0 else bias[:, :, 0, :]
+    seen = keys != float("-inf")  # NaN counts as seen: it must reach the output as the reference's does
+    index = torch.arange(keys.shape[-1], device=keys.device, dtype=torch.int32)
+    first = torch.where(seen, index, keys.shape[-1]).amin(-1)
+    last = torch.where(seen, index + 1, 0).amax(-1)
+    spans = torch.stack([first, last], dim=-1).to(torch.int32)
+    return spans.expand(bias.shape[0], bias.shape[1], 2).contiguous()
+
+
 def _block_d(head_dim: int) -> int:
     """D padded to a power of two, at least 16 (tl.dot's smallest operand side)."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -633,7 +720,8 @@ def _flags(q: torch.Tensor, bias, causal: bool, dropout_p: float, softcap: float
     head_dim = q.shape[-1]
     return {
         "HEAD_DIM": head_dim, "BLOCK_D": _block_d(head_dim), "CAUSAL": causal,
-        "HAS_BIAS": bias is not None, "SOFTCAP": softcap is not None, "WINDOW": window is not None,
+        "HAS_BIAS": bias is not None, "KEY_BIAS": _is_key_bias(bias), "SOFTCAP": softcap is not None,
+        "WINDOW": window is not None,
         "HAS_DROPOUT": dropout_p > 0.0, "IEEE": exact_fp32_products(q.dtype),
     }
 
@@ -668,14 +756,14 @@ def forward(
     n_kv_heads, len_k = k.shape[1], k.shape[2]
     out = q.new_empty((batch, n_heads, len_q, head_dim))
     lse = q.new_empty((batch, n_heads, len_q), dtype=torch.float32)
-    tiles, _ = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    tiles, _ = _launch_tiles(_block_d(head_dim), q.dtype, _extras(bias, dropout_p))
     tma = tiles.pop("TMA", False) and _tma_ready(q, k, v)
     warp_specialize = tiles.pop("WARP_SPECIALIZE", False)
     grid = (triton.cdiv(len_q, tiles["BLOCK_M"]) * batch * n_heads,)
     if grid[0] == 0:
         return out, lse
     launchable(_forward_kernel)[grid](
-        q, k, v, bias, out, lse, seed if dropout_p > 0.0 else None,
+        q, k, v, bias, _key_spans(bias), out, lse, seed if dropout_p > 0.0 else None,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *out.stride()[:3],
         n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), *_score_args(scale, softcap, window),
         dropout_p, 1.0 / (1.0 - dropout_p),
@@ -729,7 +817,7 @@ def backward(
     lse = lse.contiguous()
     batch, n_heads, len_q, head_dim = q.shape
     n_kv_heads, len_k = k.shape[1], k.shape[2]
-    _, tiles = _launch_tiles(_block_d(head_dim), q.dtype, bias is not None or dropout_p > 0.0)
+    _, tiles = _launch_tiles(_block_d(head_dim), q.dtype, _extras(bias, dropout_p))
     pinned, swept = tiles.pop("PINNED"), tiles.pop("SWEPT")
     atomic_dq = tiles.pop("ATOMIC_DQ", False) and not bias_grad  # the bias gradient comes from the dQ kernel
     dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))
@@ -737,6 +825,7 @@ def backward(
     dq_acc = q.new_zeros(q.shape, dtype=torch.float32) if atomic_dq else None
     flags = _flags(q, bias, causal, dropout_p, softcap, window)
     seed = seed if dropout_p > 0.0 else None
+    spans = _key_spans(bias)
     common = (
         n_heads, n_kv_heads, len_q, len_k, scale * math.log2(math.e), scale, *_score_args(scale, softcap, window),
         dropout_p, 1.0 / (1.0 - dropout_p),
@@ -752,7 +841,7 @@ def backward(
         )
     if grid[0] and not atomic_dq:
         launchable(_dq_kernel)[grid](
-            q, k, v, bias, grad_out, lse, delta, dq, dbias, seed,
+            q, k, v, bias, spans, grad_out, lse, delta, dq, dbias, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
             *dq.stride()[:3], *common,
             **flags, BLOCK_M=pinned, BLOCK_N=swept, BIAS_GRAD=bias_grad, **tiles,
@@ -760,7 +849,7 @@ def backward(
     grid = (triton.cdiv(len_k, pinned) * batch * n_kv_heads,)
     if grid[0]:
         launchable(_dkdv_kernel)[grid](
-            q, k, v, bias, grad_out, lse, delta, dk, dv, dq_acc, seed,
+            q, k, v, bias, spans, grad_out, lse, delta, dk, dv, dq_acc, seed,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *_bias_strides(bias), *grad_out.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *common,
             **flags, BLOCK_M=swept, BLOCK_N=pinned, ATOMIC_DQ=atomic_dq, **tiles,

@@ -108,17 +108,21 @@ def forget_compiled() -> None:
 
 
 def _attention(dtype: torch.dtype, head_dim: int, causal: bool, bias: bool = False, dropout: float = 0.0,
-               bias_grad: bool = False, with_backward: bool = True, **forced) -> Callable[[], None]:
+               bias_grad: bool = False, with_backward: bool = True, key_bias: bool = False,
+               softcap: float | None = None, **forced) -> Callable[[], None]:
     def run() -> None:
         from lowerings.flash_attention import kernels
 
         q, k, v, grad = (torch.randn(1, 2, 64, head_dim, dtype=dtype) for _ in range(4))
         additive = torch.zeros(1, 2, 64, 64, dtype=dtype) if bias else None
+        if key_bias:  # key padding as the mask proofs build it: [B, 1, 1, Tk] read with stride 0
+            additive = torch.zeros(1, 1, 1, 64, dtype=dtype).expand(1, 2, 64, 64)
         seed = torch.zeros(1, dtype=torch.int64)
+        scale = head_dim**-0.5
         with kernels.forced_tiles(**forced):
-            out, lse = kernels.forward(q, k, v, additive, head_dim**-0.5, causal, dropout, seed)
+            out, lse = kernels.forward(q, k, v, additive, scale, causal, dropout, seed, softcap)
             if with_backward:
-                kernels.backward(q, k, v, additive, out, lse, grad, head_dim**-0.5, causal, dropout, seed, bias_grad)
+                kernels.backward(q, k, v, additive, out, lse, grad, scale, causal, dropout, seed, bias_grad, softcap)
 
     return run
 
@@ -322,6 +326,9 @@ def cases() -> dict[str, Callable[[], None]]:
         "attention bf16 d256": _attention(torch.bfloat16, 256, False),
         "attention bf16 d128 bias (gradient) and dropout": _attention(
             torch.bfloat16, 128, True, bias=True, dropout=0.1, bias_grad=True
+        ),
+        "attention bf16 d256 causal, key padding and softcap": _attention(
+            torch.bfloat16, 256, True, key_bias=True, softcap=50.0
         ),
         "attention fp32 d128 (exact products)": _attention(torch.float32, 128, False),
         "attention bf16 d128 atomic dQ (opt-in)": _attention(

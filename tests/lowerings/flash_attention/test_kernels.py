@@ -253,6 +253,27 @@ def test_left_padding_key_bias_broadcast_over_queries():
     _assert_fp32_close((op_out, op_lse, op_grads), _reference(q, k, v, bias, grad_out, d**-0.5, True))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_padding_skips_the_key_blocks_it_masks_whole(causal):
+    """Key blocks a key bias masks for every query are never read: NaN keys and values in them (right padding's
+    tail in sequence 0, left padding's head in sequence 1) reach no output and no gradient, and dK, dV there
+    are 0 as the reference's are. The partly padded blocks around them are computed with the bias."""
+    b, hq, hk, t, d = 2, 4, 2, 64, 16
+    q, k, v, grad_out = _inputs(b, hq, hk, t, t, d, seed=11)
+    keys = torch.zeros(b, 1, 1, t)
+    keys[0, ..., 20:] = NEG_INF  # 16-key blocks 2 and 3 wholly padded, block 1 partly
+    keys[1, ..., :34] = NEG_INF  # blocks 0 and 1 wholly padded, block 2 partly
+    bias = keys.to(DEVICE).expand(b, hq, t, t)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for tensor in (poisoned_k, poisoned_v):
+        tensor[0, :, 32:], tensor[1, :, :32] = float("nan"), float("nan")
+    tiles = ({"BLOCK_M": 16, "BLOCK_N": 16}, {"PINNED": 16, "SWEPT": 16})
+    with kernels.forced_tiles(*tiles):
+        ours = _run(q, poisoned_k, poisoned_v, bias, grad_out, d**-0.5, causal)
+    expected = _reference(q, k, v, bias, grad_out, d**-0.5, causal)
+    _assert_fp32_close(ours, expected)
+    _, _, (_, dk, dv) = ours
+    assert torch.all(dk[0, :, 20:] == 0) and torch.all(dv[1, :, :34] == 0)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     ("softcap", "window"), [(None, None), (1.5, None), (None, 6), (2.0, 9)], ids=["plain", "softcap", "window", "both"]
@@ -429,3 +450,18 @@ def test_tma_needs_aligned_rows_and_a_power_of_two_head_dim():
     assert not kernels._tma_ready(shifted, q, q)
     assert not kernels._tma_ready(torch.randn(1, 2, 9, 24, device=DEVICE), q, q)  # 24 is not a power of two
     assert not kernels._tma_ready(q.transpose(-1, -2), q, q)  # last dim not unit-stride
+
+
+def test_a_key_bias_keeps_the_tiles_of_its_case():
+    """A key bias adds one vector a tile, not a tile of bias values: it launches with the settings of the case
+    without a bias, while a bias that varies over the queries, or dropout, takes the narrower ones."""
+    b, h, t = 2, 2, 8
+    key_bias = torch.zeros(b, 1, 1, t).expand(b, h, t, t)
+    full_bias = torch.zeros(b, 1, t, t).expand(b, h, t, t)
+    assert not kernels._extras(key_bias, 0.0) and not kernels._extras(None, 0.0)
+    assert kernels._extras(full_bias, 0.0) and kernels._extras(key_bias, 0.1)
+    padded = torch.zeros(b, 1, 1, t).masked_fill(torch.arange(t) >= 5, NEG_INF)
+    padded[1] = NEG_INF  # a sequence of padding: an empty span
+    spans = kernels._key_spans(padded.expand(b, h, t, t))
+    assert spans.shape == (b, h, 2) and spans.tolist() == [[[0, 5], [0, 5]], [[t, 0], [t, 0]]]
+    assert kernels._key_spans(full_bias) is None
