@@ -73,12 +73,17 @@ def inputs(case: Case, batch: int | None = None, dtype=None, seed: int = 0):
     dtype = dtype or getattr(torch, case.dtype)
     qkv = torch.randn(b, t, 3, h, d, device=DEVICE, generator=g).to(dtype).requires_grad_()
     q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-    bias = None
-    if case.padded:  # right padding: each sequence keeps a different prefix, at least half of the keys
-        lengths = torch.randint(t // 2, t + 1, (b,), device=DEVICE, generator=g)
-        keep = torch.arange(t, device=DEVICE)[None, :] < lengths[:, None]
-        bias = torch.zeros(b, 1, 1, t, device=DEVICE, dtype=dtype).masked_fill(~keep[:, None, None], float("-inf"))
+    bias = right_padding(b, t, dtype, g) if case.padded else None
     return qkv, (q, k, v), bias
+
+
+def right_padding(batch: int, length: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """[B, 1, 1, T] 0 / -inf key bias of right padding, as memopt's mask proofs build it: each sequence keeps a
+    different prefix, at least half of its keys."""
+    lengths = torch.randint(length // 2, length + 1, (batch,), device=generator.device, generator=generator)
+    keep = torch.arange(length, device=generator.device)[None, :] < lengths[:, None]
+    bias = torch.zeros(batch, 1, 1, length, device=generator.device, dtype=dtype)
+    return bias.masked_fill(~keep[:, None, None], float("-inf"))
 
 
 def candidates(case: Case) -> dict[str, Callable]:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks._common import error_note, set_up
+from benchmarks.attention_dispatch import right_padding
 from lowerings.flash_attention import kernels
 
 log = logging.getLogger("benchmarks.tools.attention_tune")
@@ -63,14 +64,6 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
 
 
-def _key_padding(b: int, h: int, t: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """[B, H, T, T] view of a [B, 1, 1, T] 0 / -inf right-padding bias, each sequence keeping T/2 to T keys."""
-    lengths = torch.randint(t // 2, t + 1, (b,), device="cuda", generator=gen)
-    keep = torch.arange(t, device="cuda")[None, :] < lengths[:, None]
-    bias = torch.zeros(b, 1, 1, t, device="cuda", dtype=dtype).masked_fill(~keep[:, None, None], float("-inf"))
-    return bias.expand(b, h, t, t)
-
-
 def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype,
           passes: tuple[str, ...] = ("forward", "backward"), key_padding: bool = False) -> list[dict]:
     """One row per setting of each pass: TFLOP/s and the max deviation from SDPA's output or gradient."""
@@ -78,7 +71,7 @@ def sweep(shape: tuple[int, int, int, int], causal: bool, dtype: torch.dtype,
     flops = 4 * b * h * t * t * d / (2 if causal else 1)
     gen = torch.Generator(device="cuda").manual_seed(t)
     q, k, v, grad = (torch.randn(b, h, t, d, device="cuda", generator=gen).to(dtype) for _ in range(4))
-    bias = _key_padding(b, h, t, dtype, gen) if key_padding else None
+    bias = right_padding(b, t, dtype, gen).expand(b, h, t, t) if key_padding else None
     scale = d**-0.5
     with torch.enable_grad():
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
