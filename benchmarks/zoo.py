@@ -433,6 +433,10 @@ def measure(case: Case, prepared: list[tuple[Run, Callable]], steps: int, device
                  "-" if run.peak_mib is None else f"{run.peak_mib:.0f}")
 
 
+# Blocks of every family's model (the table's "2 layers at real widths"); profile_step's zoo steps use it too.
+LAYERS = 2
+
+
 def step_dtype(device: torch.device) -> torch.dtype:
     """The weights' dtype of a zoo step: bf16 on a GPU, fp32 on CPU (whose bf16 GEMMs are slow)."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -581,7 +585,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--masks", default=",".join(MASKS), help='"none", "padded" or both')
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--steps", type=int, default=10, help="measured steps per backend, after two warm-up steps")
     parser.add_argument("--tiny", action="store_true", help="tiny widths: check the script and the rewrites' reach")
     parser.add_argument("--predict-only", action="store_true",

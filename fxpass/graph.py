@@ -62,7 +62,6 @@ def bind_args(node: fx.Node, names: Sequence[str], defaults: dict[str, Any] | No
     return bound
 
 
-
 # F.scaled_dot_product_attention as Dynamo records it, and its parameters (builtins have no signature to bind).
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -72,6 +71,7 @@ SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale
 def bind_sdpa(node: fx.Node) -> dict[str, Any] | None:
     """An SDPA call's arguments by name, defaults filled in; None for any other node."""
     return bind_args(node, SDPA_NAMES, SDPA_DEFAULTS) if is_call(node, *SDPA_TARGETS) else None
+
 
 # --- view-like ops: ops that move, cast or reshape a tensor without computing on its values ---------------
 

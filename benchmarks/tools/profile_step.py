@@ -46,7 +46,6 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 ZOO_PREFIX = "zoo:"
-ZOO_LAYERS = 2  # the zoo's own --layers default
 
 
 def e2e_step(args: argparse.Namespace, backend: str, options: dict, device: torch.device):
@@ -73,7 +72,7 @@ def zoo_step(args: argparse.Namespace, backend: str, options: dict, device: torc
     if family not in zoo.FAMILIES:
         raise SystemExit(f"--model {args.model}: no zoo family {family!r} (one of {', '.join(zoo.FAMILIES)})")
     case = zoo.Case(family, "padded" if args.flow == "padded" else "none", zoo.FAMILIES[family].decoder)
-    sizes = argparse.Namespace(**{**vars(args), "layers": args.layers or ZOO_LAYERS})
+    sizes = argparse.Namespace(**{**vars(args), "layers": args.layers or zoo.LAYERS})
     model, inputs = zoo.model_and_batch(case, sizes, device, zoo.step_dtype(device))
     return zoo.compiled_step(model, inputs, backend, "inductor", options, sink=lambda report: None)
 
