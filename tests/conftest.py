@@ -17,8 +17,11 @@ import torch._dynamo
 
 os.environ.setdefault("MEMOPT_STRICT", "1")
 
-# What importing these does to process-wide state (fxpass adds transformers' ``warning_once`` to Dynamo's ignored
-# logging functions once transformers defines it) happens here, before the first test's snapshot.
+# What importing these does to process-wide state happens here, before the first test's snapshot: fxpass adds
+# transformers' ``warning_once`` to Dynamo's ignored logging functions once transformers defines it; building the
+# first model imports transformers' generation code, which imports scikit-learn where it is installed (the GPU
+# image), and scikit-learn sets ``KMP_DUPLICATE_LIB_OK`` and ``KMP_INIT_AT_FORK`` and installs six's import hook.
+import transformers.generation.utils
 import transformers.utils.logging  # noqa: F401
 
 import fxpass
