@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch
 
-from fxpass.report import error_note
+from fxpass.notes import error_note
 
 __all__ = [
     "cpu_peak", "cuda_peak", "error_note", "header", "in_turns", "peak_breakdown", "release_memory", "set_up",

@@ -20,8 +20,10 @@ from fxpass import checkpoint, returned_logits
 from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
 from fxpass.compiled_cost import step_costs
 from fxpass.config import Config, ConfigError
-from fxpass.report import GraphReport, error_note, publish, tracing_enabled
-from fxpass.rewrite import copy_graph, rewrite_graph, undone, warn_once
+from fxpass.graph import copy_graph
+from fxpass.notes import error_note
+from fxpass.report import GraphReport, publish, tracing_enabled
+from fxpass.rewrite import rewrite_graph, undone, warn_once
 from lowerings import precompile
 
 log = logging.getLogger(__name__)

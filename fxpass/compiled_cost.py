@@ -44,6 +44,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxpass import shapes
 from fxpass.graph import SDPA_NAMES, bind_sdpa, tensor_value
+from fxpass.notes import Holding, error_note
 from lowerings._library import WORKSPACES
 
 log = logging.getLogger(__name__)
@@ -76,20 +77,6 @@ class CompiledCost:
 
     def hints(self) -> dict[str, int]:
         return {name: shapes.hint(getattr(self, name)) for name in ("saved", "forward_peak", "backward_peak")}
-
-
-@dataclasses.dataclass(frozen=True)
-class Holding:
-    """One kind of buffer alive at a simulated peak: its bytes (hint) and its largest tensor. Names the thing
-    that sets a step's peak, so that a user (or ``benchmarks/zoo.py``) learns what no rewrite reaches."""
-
-    kind: str  # "saved for the backward", "gradients", "incoming gradients", "outputs", "temporaries", ...
-    bytes: int
-    largest: str
-
-    def __str__(self) -> str:
-        largest = f" (largest {self.largest})" if self.largest else ""
-        return f"{shapes.format_bytes(self.bytes)} {self.kind}{largest}"
 
 
 def extract(nodes: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -272,8 +259,6 @@ def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule, device: str 
             costs[name] = compiled_cost(gm, values, device)
     except Exception as error:  # a graph the partitioner cannot take; the compile itself goes on
         log.debug("memopt could not price a whole graph", exc_info=True)
-        from fxpass.report import error_note
-
         return {"error": error_note(error)}
     return costs
 

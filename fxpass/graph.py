@@ -311,6 +311,21 @@ def erase_unused(nodes: Iterable[fx.Node]) -> None:
             graph.erase_node(node)
 
 
+def copy_graph(graph: fx.Graph, val_map: dict[fx.Node, fx.Node] | None = None) -> fx.Graph:
+    """A copy to restore if a rule fails halfway, or to try a rewrite on (nodes and their meta; example values
+    are shared). ``val_map``, when given, is filled with each node's copy."""
+    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    copy._codegen = graph._codegen
+    val_map = {} if val_map is None else val_map
+    value, output = copy.graph_copy(graph, val_map, return_output_node=True)
+    copy.output(value, type_expr=output.type).meta = output.meta.copy()
+    # Dynamo keeps each input's source as a node attribute, not in meta; AOTAutograd asserts it is there.
+    for old, new in val_map.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
+
+
 # Dynamo spells the functional ops of a loss in several ways; these tables say which callables mean what.
 CROSS_ENTROPY_TARGETS: tuple[Any, ...] = (F.cross_entropy,)
 NLL_LOSS_TARGETS: tuple[Any, ...] = (F.nll_loss,)

@@ -26,9 +26,9 @@ from torch import fx
 from fxpass import shapes
 from fxpass.compiled_cost import CompiledCost, compiled_cost, extract, graph_env
 from fxpass.config import Config
-from fxpass.graph import current, example_value
+from fxpass.graph import copy_graph, current, example_value
 from fxpass.liveness import is_view
-from fxpass.report import INTERNAL
+from fxpass.notes import INTERNAL
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,6 @@ def price(rule, candidate, config: Config, context: Sequence[fx.Node] = ()) -> P
     """Try ``rule``'s rewrite of ``candidate`` on a copy of its graph and price both sides (module docstring).
     ``context``: nodes the rewrite leaves in place but whose fate decides what it frees (the producers of a
     tensor torch.compile may save or recompute), priced on both sides."""
-    from fxpass.rewrite import copy_graph
-
     graph = candidate.anchor.graph
     owner = graph.owning_module
     copies: dict[fx.Node, fx.Node] = {}

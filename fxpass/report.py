@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from fxpass import shapes
-from fxpass.compiled_cost import Holding
+from fxpass.notes import INTERNAL, Holding
 from fxpass.shapes import format_bytes
 
 log = logging.getLogger(__name__)
@@ -52,15 +52,6 @@ class RewriteRecord:
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"nodes": list(self.nodes)}
-
-
-def error_note(error: BaseException) -> str:
-    """An exception as one short line, for a report row or a warning."""
-    first = (str(error).splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first[:160]}"
-
-
-INTERNAL = "memopt's ops inside their kernels (the largest)"
 
 
 def _both(figures: dict[str, int]) -> str:

@@ -17,8 +17,9 @@ import torch.fx as fx
 import lowerings  # noqa: F401  (registers torch.ops.memopt.*, which rewritten graphs call)
 from fxpass import checkpoint, pricing, shapes
 from fxpass.config import Config
-from fxpass.graph import GraphFacts, canonicalize_operator_methods, source_location
-from fxpass.report import GraphReport, RewriteRecord, current_graph_id, error_note, graph_code
+from fxpass.graph import GraphFacts, canonicalize_operator_methods, copy_graph, source_location
+from fxpass.notes import error_note
+from fxpass.report import GraphReport, RewriteRecord, current_graph_id, graph_code
 from fxpass.rules import RULES, Decision, Rule
 from fxpass.rules.base import decide_against_compile
 
@@ -159,21 +160,6 @@ def _record(
         memory=memory.describe() if memory is not None else None,
         against_compile=priced.describe() if priced is not None else None,
     )
-
-
-def copy_graph(graph: fx.Graph, val_map: dict[fx.Node, fx.Node] | None = None) -> fx.Graph:
-    """A copy to restore if a rule fails halfway, or to try a rewrite on (nodes and their meta; example values
-    are shared). ``val_map``, when given, is filled with each node's copy."""
-    copy = fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
-    copy._codegen = graph._codegen
-    val_map = {} if val_map is None else val_map
-    value, output = copy.graph_copy(graph, val_map, return_output_node=True)
-    copy.output(value, type_expr=output.type).meta = output.meta.copy()
-    # Dynamo keeps each input's source as a node attribute, not in meta; AOTAutograd asserts it is there.
-    for old, new in val_map.items():
-        if hasattr(old, "_dynamo_source"):
-            new._dynamo_source = old._dynamo_source
-    return copy
 
 
 def warn_once(rule: str, reason: str) -> None:
