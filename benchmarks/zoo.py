@@ -32,6 +32,14 @@ simulated peak ratio, with what holds memopt's simulated peak where it misses.
 ``--tiny`` shrinks every family to a smoke test of the script (hidden 64, 4 heads, 2 KV heads, vocabulary 512,
 2 × 64 tokens) and forces memopt's rewrites, which would not pay at that size: the run then shows which rewrites
 match each family, not what they save.
+
+Written into ``--out``: ``zoo.md`` (the table), ``zoo.json`` (every case), ``zoo.jsonl`` (a line per case as it
+ends) and, with matplotlib installed, ``zoo.png``: each family's peak and time ratios against the targets.
+``--render`` writes the same files from earlier runs' ``zoo.jsonl`` files or rendered ``zoo.md`` tables (those
+kept in ``benchmarks/results/``), a case measured twice keeping its last figures:
+
+    python benchmarks/zoo.py --render benchmarks/results/zoo-all-h100-2026-12-06.md \
+        benchmarks/results/zoo-gemma-h100-2026-12-07.md --out $OUT/zoo
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import re
 import statistics
 import sys
 import time
@@ -212,16 +221,23 @@ class Case:
     # the run's first report line (date, device, torch, transformers): a table rendered later from these lines,
     # on another machine, names where they were measured, not where they were rendered
     measured_on: str = ""
+    # ratios ("peak_mib", "step_ms", "simulated") of a case read back from a rendered table, whose rounded figures
+    # may give another ratio than the one the run printed (and which keeps no simulated MiB): they win
+    ratios: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def figure(self, backend: str, field: str) -> float | None:
         run = self.runs.get(backend)
         return None if run is None else getattr(run, field)
 
     def ratio(self, field: str) -> float | None:
+        if field in self.ratios:
+            return self.ratios[field]
         ours, theirs = self.figure("memopt", field), self.figure("torch.compile", field)
         return None if ours is None or not theirs else ours / theirs
 
     def simulated_ratio(self) -> float | None:
+        if "simulated" in self.ratios:
+            return self.ratios["simulated"]
         sim = self.simulated_mib or {}
         return sim["memopt"] / sim["torch.compile"] if sim.get("torch.compile") else None
 
@@ -596,7 +612,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true", help="CUDA: what is alive at each backend's peak, to --out")
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     parser.add_argument("--render", type=Path, nargs="+", default=None,
-                        help="no run: write zoo.md from these zoo.jsonl files (runs split across machine calls)")
+                        help="no run: write zoo.md (and zoo.png) from these zoo.jsonl files or rendered zoo.md tables")
     args = parser.parse_args(argv)
     unknown = [name for name in args.families.split(",") if name not in FAMILIES]
     if unknown:
@@ -605,15 +621,66 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_cases(paths: list[Path]) -> list[Case]:
-    """The cases of earlier runs' ``zoo.jsonl`` lines, in order; a case measured twice keeps its latest line."""
+    """The cases of earlier runs, in order: ``zoo.jsonl`` lines, or the rows of a rendered table (a ``.md`` file);
+    a case measured twice keeps its latest figures."""
     cases: dict[tuple[str, str], Case] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            fields = json.loads(line)
-            runs = {backend: Run(**run) for backend, run in fields.pop("runs").items()}
-            case = Case(**fields, runs=runs)
+        if path.suffix == ".md":
+            found = cases_of_table(path.read_text())
+        else:
+            found = []
+            for line in path.read_text().splitlines():
+                fields = json.loads(line)
+                runs = {backend: Run(**run) for backend, run in fields.pop("runs").items()}
+                found.append(Case(**fields, runs=runs))
+        for case in found:
             cases[case.family, case.mask] = case
     return list(cases.values())
+
+
+def _number(cell: str) -> float | None:
+    return None if cell in ("", "-") else float(cell)
+
+
+def cases_of_table(text: str) -> list[Case]:
+    """The cases of a table that ``table`` rendered, read back: rules, CCE op, figures, ratios, note and what holds a
+    missed peak; where each case was measured is the file's first line (its title). A ratio is the one its row's
+    figures give where that rounds to the ratio shown (0.704 for a peak shown as 0.70: a miss stays a miss), else
+    the one shown (the run divided unrounded times)."""
+    lines = text.splitlines()
+    measured_on = lines[0].lstrip("#").strip() if lines else ""
+    header = next((index for index, line in enumerate(lines) if line.startswith("| family | mask |")), None)
+    if header is None:
+        raise ValueError("no zoo table here: no line starts with '| family | mask |'")
+    names = [cell.strip() for cell in lines[header].strip("|").split("|")]
+    held = dict(re.findall(r"^- (\S+ \(\w+\)): (.+)$", text, re.MULTILINE))
+    cases = []
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        row = dict(zip(names, (cell.strip() for cell in line.strip("|").split("|", len(names) - 1)), strict=True))
+        family = row["family"]
+        rules = {rule: row[label] for rule, label in zip(RULES, ("CCE", "attention", "embedding"), strict=True)
+                 if row[label] != "-"}
+        variant = re.search(r" \((\w+)\)$", rules.get("cce", ""))
+        if variant:
+            rules["cce"] = rules["cce"][:variant.start()]
+        runs = {backend: Run(backend, step_ms=_number(row[f"step {backend} ms"]),
+                             peak_mib=_number(row[f"peak {backend} MiB"])) for backend in BACKENDS}
+        if all(run.step_ms is None and run.peak_mib is None for run in runs.values()):
+            runs = {}
+        decoder = FAMILIES[family].decoder if family in FAMILIES else True
+        case = Case(family, row["mask"], decoder, rules=rules, cce_variant=variant.group(1) if variant else "",
+                    runs=runs, note="" if row["note"] == "-" else row["note"],
+                    held_by=held.get(f"{family} ({row['mask']})", ""), measured_on=measured_on)
+        for field, label in (("peak_mib", "peak ratio"), ("step_ms", "time ratio"),
+                             ("simulated", "simulated peak ratio")):
+            shown = _number(row[label])
+            given = None if field == "simulated" else case.ratio(field)  # a table keeps no simulated MiB
+            if shown is not None:
+                case.ratios[field] = given if given is not None and f"{given:.2f}" == row[label] else shown
+        cases.append(case)
+    return cases
 
 
 def run_title(args: argparse.Namespace, device: torch.device) -> str:
@@ -632,10 +699,60 @@ def report_title(cases: list[Case]) -> str:
         f"- {title}" for title in titles)
 
 
+def plot(cases: list[Case], path: Path) -> bool:
+    """Each family's peak and time ratios against torch.compile, a bar per mask, with the targets drawn as lines
+    (they apply to decoder-only LMs; the others are starred). False, and no file, without matplotlib or without
+    a measured figure (``--predict-only``)."""
+    measured = [case for case in cases if case.ratio("peak_mib") is not None or case.ratio("step_ms") is not None]
+    if not measured:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib missing: no plot")
+        return False
+    order = list(FAMILIES)
+    families = sorted(dict.fromkeys(case.family for case in measured),
+                      key=lambda name: order.index(name) if name in order else len(order))
+    masks = [mask for mask in MASKS if any(case.mask == mask for case in measured)]
+    width = 0.8 / len(masks)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 0.7 * len(families) + 2), 8), sharex=True)
+    panels = (("peak_mib", "peak, memopt ÷ torch.compile", PEAK_TARGET),
+              ("step_ms", "step time, memopt ÷ torch.compile", TIME_TARGET))
+    for ax, (field, label, target) in zip(axes, panels, strict=True):
+        for index, mask in enumerate(masks):
+            by_family = {case.family: case.ratio(field) for case in measured if case.mask == mask}
+            xs = [x for x, family in enumerate(families) if by_family.get(family) is not None]
+            heights = [by_family[families[x]] for x in xs]
+            offset = (index - (len(masks) - 1) / 2) * width
+            bars = ax.bar([x + offset for x in xs], heights, width, label=f"mask: {mask}", color=f"C{index}")
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, rotation=90, padding=2)
+        ax.axhline(target, color="C3", linestyle="--", linewidth=1, label=f"target {target:.2f}×")
+        top = max((case.ratio(field) or 0.0) for case in measured)
+        ax.set(ylabel=label, ylim=(0, max(top, target) * 1.18))
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", ncols=len(masks) + 1)
+    decoders = {case.family: case.decoder for case in measured}
+    axes[-1].set_xticks(range(len(families)),
+                        [family if decoders[family] else f"{family}*" for family in families], rotation=45)
+    axes[0].set_title("\n".join(dict.fromkeys(case.measured_on or "(where not recorded)" for case in measured)),
+                      fontsize=8)
+    if not all(decoders.values()):
+        fig.text(0.01, 0.005, "* not a decoder-only LM: the targets apply to decoders", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def report(cases: list[Case], out: Path) -> None:
     title = report_title(cases)
     write_report(out, "zoo.md", f"{title}\n\n{table(cases)}\n\n{targets_line(cases)}")
     (out / "zoo.json").write_text(json.dumps([dataclasses.asdict(case) for case in cases], indent=1))
+    plot(cases, out / "zoo.png")
 
 
 def main(argv: list[str] | None = None) -> list[Case]:

@@ -23,7 +23,8 @@ WTA_CRS_SAMPLINGS: tuple[str, ...] = ("traced", "opaque")
 ATTENTION_KERNELS: tuple[str, ...] = ("auto", "memopt")
 PRICINGS: tuple[str, ...] = ("compile", "eager")
 # Recomputation's price of memory, the default of ``wta_crs_max_us_per_mib``: memopt with AOTAutograd's
-# activation_memory_budget freed 1.58 GiB of GPT-2 small's step for 9.8 ms on an H100 (BENCHMARKS.md, "WTA-CRS").
+# activation_memory_budget freed 1.58 GiB of GPT-2 small's step for 9.8 ms on an H100 (`benchmarks/wta_crs.py
+# --match-peak`; BENCHMARKS.md, "WTA-CRS", has the current comparison).
 RECOMPUTE_US_PER_MIB = 6.0
 
 ENV_DEBUG_DIR = "MEMOPT_DEBUG_DIR"
@@ -75,8 +76,8 @@ class Config:
             Inductor fuses with its neighbours, so no Python runs at training time, but every group's sampling
             compiles kernels of its own) or "opaque" (``memopt::wta_crs_sample``, one op per group that runs its
             PyTorch and kernels as they are: Inductor compiles nothing for it). On the H200 both step GPT-2
-            small's loss-only SDPA step at 1.14-1.34× torch.compile's time (`benchmarks/e2e.py`, BENCHMARKS.md,
-            "End to end").
+            small's loss-only SDPA step at 1.14-1.34× torch.compile's time, every group sampled
+            (`benchmarks/e2e.py`, BENCHMARKS.md, "End to end").
         cce_filter_eps: CCE's gradient filter on CUDA: logit-gradient tiles whose every |softmax − target| is
             below it are skipped (faster, approximate gradients). None or 0 keeps gradients exact; "auto" is
             the input dtype's machine epsilon / 32, as Apple's CCE (2⁻¹² for bf16).
@@ -88,8 +89,8 @@ class Config:
             forward to backward) or "auto" (the row-wise op where it keeps 3/4 of the chunked one's saving,
             each priced against torch.compile under ``pricing="compile"``, else the chunked one; logits the graph
             also returns get ``cce_with_logits`` on CUDA: see ``fxpass/rules/cce.py``). "auto" is the default:
-            on the H200 the row-wise op takes 1.01-1.04× torch.compile's time for the loss alone, the chunked one
-            1.50-1.52× (`benchmarks/cce.py`, BENCHMARKS.md, "The CCE op").
+            the row-wise op takes 1.05-1.06× torch.compile's time for the loss and gradients, the chunked one
+            1.56-1.59× (`benchmarks/cce.py` on an H100, BENCHMARKS.md, "The CCE op").
         attention_kernel: which kernel computes a rewritten attention on CUDA: "auto" (default) takes cuDNN's
             fused attention (``aten._scaled_dot_product_cudnn_attention``, which accepts a causal flag and a key
             bias together) wherever it serves the case and memopt's Triton kernel elsewhere; "memopt" always

@@ -36,7 +36,7 @@ _GRAPH_COUNTER = itertools.count()
 
 @dataclasses.dataclass(frozen=True)
 class RewriteRecord:
-    """One candidate and the decision on it. The JSON schema of ``report.json`` (see README)."""
+    """One candidate and the decision on it. The JSON schema of ``report.json`` (docs/usage.md)."""
 
     rule: str
     applied: bool

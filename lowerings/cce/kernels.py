@@ -140,7 +140,7 @@ def _lse_forward_kernel(
 
 # The narrower last chunk of a vocabulary compiles a second specialization (~0.7 s of a cold first step on the
 # H200). Not specializing on the chunk's width instead cost 30 % of this kernel's speed and 54 % of the product's
-# (``benchmarks/tools/cce_tune.py``, BENCHMARKS.md, 2026-12-03): the divisibility of the widths is worth the compile.
+# (``benchmarks/tools/cce_tune.py``, docs/tuning.md, 2026-12-03): the divisibility of the widths is worth the compile.
 @triton.jit
 def _grad_logits_kernel(
     E, C, bias, targets, lse, grad_rows, grad_lse, G, Order, Live,

@@ -7,7 +7,7 @@ log-sum-exp. The backward recomputes each tile's probabilities from that log-sum
 delta = rowsum(out ∘ grad_out). One kernel pins a block of keys/values and sweeps the query blocks of every query
 head that reads it (GQA) to accumulate dK and dV; another pins a block of queries and sweeps the keys for dQ. Every
 gradient tile has a single owner, so no atomics are needed and gradients are deterministic. An alternative
-(``ATOMIC_DQ`` in the backward settings, off: 2.2× slower on the H200, BENCHMARKS.md) adds dQ from the dK/dV kernel with
+(``ATOMIC_DQ`` in the backward settings, off: 2.2× slower on the H200, docs/tuning.md) adds dQ from the dK/dV kernel with
 fp32 atomics, as FA2 does: five GEMMs a tile instead of seven, at the price of a run-dependent summation order.
 
 Scores are kept in base 2 (log2 e folded into the scale, exp2 everywhere); the returned lse is in natural log.
@@ -616,7 +616,7 @@ def _tiles(block_d: int, dtype: torch.dtype, extras: bool) -> tuple[dict[str, in
     kept until dS) and a window (one more comparison in the masked tiles) load nothing more: they keep the
     settings of their case (not swept with them on a GPU).
 
-    16-bit without extras: the fastest settings of ``benchmarks/tools/attention_tune.py`` on the H200 (BENCHMARKS.md;
+    16-bit without extras: the fastest settings of ``benchmarks/tools/attention_tune.py`` on the H200 (docs/tuning.md;
     D = 256 from a non-causal sweep). The others come from offline sm_90 compiles (ptxas -v): within 255
     registers a thread with no spills (a few hundred bytes for D = 256's dK/dV), and shared memory, about
     (pinned + stages · 2 · streamed) · D elements, within Hopper's 227 KB. fp32 at "highest"

@@ -140,3 +140,65 @@ def test_a_table_rendered_later_names_where_each_run_measured(tmp_path):
     assert title.splitlines() == ["Model zoo, rendered from these runs:",
                                   "- (a run that did not record where it ran)", "- Model zoo (bf16), NVIDIA H200"]
     assert "cpu" not in title and "torch" not in title
+
+
+TABLE = """# Model zoo, a fixture
+
+| family | mask | CCE | attention | embedding | peak torch.compile MiB | peak memopt MiB | peak ratio | \
+simulated peak ratio | step torch.compile ms | step memopt ms | time ratio | note |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| gpt2 | none | applied 1/1 (rowwise) | applied 2/2 | applied 1/2 | 3752 | 1600 | 0.43 | 0.43 | 9.9 | 8.5 | 0.86 | - |
+| starcoder2 | none | applied 1/1 (rowwise) | applied 2/2 | applied 1/1 | 4311 | 3035 | 0.70 | 0.75 | 32.5 | 30.8 | 0.95 | - |
+| phi3 | padded | applied 1/1 (rowwise) | applied 2/2 | applied 1/1 | 3535 | 2977 | 0.84 | 0.87 | 30.7 | 29.5 | 0.96 | - |
+| bert | none | applied 1/1 (rowwise) | applied 2/2 | applied 1/3 | 3240 | 1132 | 0.35 | 0.35 | 13.2 | 7.4 | 0.56 | a note |
+
+Families missing the targets (…): starcoder2 (peak 0.70× (none)); phi3 (peak 0.84× (padded))
+
+What holds memopt's peak where it misses (the simulation):
+- starcoder2 (none): memopt's peak is in the backward: 1.8 GiB saved for the backward
+- phi3 (padded): memopt's peak is in the backward: 1.5 GiB saved for the backward
+"""
+
+
+def render(tmp_path, *paths) -> list[zoo.Case]:
+    with loggers_restored("", "fxpass"):
+        return zoo.main(["--render", *map(str, paths), "--out", str(tmp_path / "out")])
+
+
+def test_a_rendered_table_reads_back_as_it_was_printed(tmp_path):
+    """``--render`` of a rendered ``zoo.md`` (as kept in benchmarks/results/): the same rows, ratios and misses."""
+    (tmp_path / "zoo-fixture.md").write_text(TABLE)
+    cases = render(tmp_path, tmp_path / "zoo-fixture.md")
+
+    gpt2, starcoder2, phi3, bert = cases
+    assert gpt2.rules == {"cce": "applied 1/1", "attention": "applied 2/2", "embedding": "applied 1/2"}
+    assert gpt2.cce_variant == "rowwise" and gpt2.runs["memopt"].peak_mib == 1600 and gpt2.measured_on.endswith("fixture")
+    assert starcoder2.ratio("peak_mib") == pytest.approx(3035 / 4311)  # 0.704, printed 0.70: still a miss
+    assert phi3.ratio("step_ms") == pytest.approx(29.5 / 30.7)  # rounds to the 0.96 printed: the figures' own
+    assert bert.ratio("step_ms") == pytest.approx(7.4 / 13.2) and not bert.decoder and bert.note == "a note"
+    assert starcoder2.held_by == "memopt's peak is in the backward: 1.8 GiB saved for the backward"
+    rendered = (tmp_path / "out" / "zoo.md").read_text()
+    rows = [line for line in rendered.splitlines() if line.startswith("| ")]
+    assert rows == [line for line in TABLE.splitlines() if line.startswith("| ")]
+    assert "starcoder2 (peak 0.70× (none)); phi3 (peak 0.84× (padded))" in rendered
+
+
+def test_a_ratio_printed_from_unrounded_figures_wins(tmp_path):
+    """Times print rounded to 0.1 ms: where they give another ratio than the run printed, the printed one."""
+    (tmp_path / "zoo-fixture.md").write_text(TABLE.replace("| 30.7 | 29.5 | 0.96 |", "| 31.4 | 29.1 | 0.92 |"))
+    phi3 = render(tmp_path, tmp_path / "zoo-fixture.md")[2]
+
+    assert round(29.1 / 31.4, 2) == 0.93 and phi3.ratio("step_ms") == 0.92
+    assert phi3.simulated_ratio() == 0.87
+
+
+def test_the_ratios_are_plotted_with_their_targets(tmp_path):
+    """With matplotlib, ``zoo.png`` beside the table: each family's peak and time ratio, the targets as lines."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "zoo-fixture.md").write_text(TABLE)
+    cases = render(tmp_path, tmp_path / "zoo-fixture.md")
+
+    assert (tmp_path / "out" / "zoo.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert zoo.plot(cases, tmp_path / "again.png") and (tmp_path / "again.png").stat().st_size > 10_000
+    predicted = [dataclasses.replace(case, runs={}, ratios={}) for case in cases]  # ``--predict-only``: nothing to draw
+    assert not zoo.plot(predicted, tmp_path / "none.png") and not (tmp_path / "none.png").exists()

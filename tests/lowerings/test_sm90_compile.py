@@ -50,7 +50,7 @@ def test_compiles_for_sm90(compiled, case):
 
 @pytest.mark.parametrize("case", list(sm90_compile.expected_failures()))
 def test_the_device_limits_are_enforced(compiled, case):
-    """The same message the H200 gave for these tiles (BENCHMARKS.md, the d256 sweep)."""
+    """The same message the H200 gave for these tiles (docs/tuning.md, the d256 sweep)."""
     _, message = sm90_compile.expected_failures()[case]
     assert compiled[case]["error"] is not None and message in compiled[case]["error"]
 
