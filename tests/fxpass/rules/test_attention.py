@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from expecttest import TestCase
+from expecttest import Expect, assert_expected_inline
 from transformers import masking_utils
 
 import fxpass
@@ -59,10 +59,38 @@ class NanoAttention(nn.Module):
         return self.dropout(F.softmax(att, dim=-1)) @ v
 
 
-class TestForms(TestCase):
+def _inline_tril_and_division(q, k, v):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+    mask = torch.tril(torch.ones(T, T))
+    return torch.softmax(scores.masked_fill(mask == 0, float("-inf")), dim=-1) @ v
+
+
+def _upcast_and_inverted_tril(upcast):
+    def fn(q, k, v, upcast):
+        scores = q @ k.transpose(-2, -1) / math.sqrt(D)
+        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+        scores = upcast(scores.masked_fill(~mask, float("-inf")))
+        return torch.softmax(scores, dim=-1).to(q.dtype) @ v
+
+    return lambda q, k, v, upcast=upcast: fn(q, k, v, upcast)
+
+
+def _einsum(scores_eq, values_eq):
+    def fn(q, k, v, scores_eq=scores_eq, values_eq=values_eq):
+        return torch.einsum(values_eq, torch.softmax(torch.einsum(scores_eq, q, k) * D**-0.5, dim=-1), v)
+
+    return fn
+
+
+def _bmm_inputs():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(4, T, D, generator=gen, requires_grad=True) for _ in range(3)]
+
+
+class TestForms:
     def test_nanogpt_tril_buffer_becomes_a_causal_flag(self):
         ex = _check(NanoAttention(), *_qkv())
-        self.assertExpectedInline(after_code(ex), """\
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f32[2, 2, 6, 8]cpu", L_q_: "f32[2, 2, 6, 8]cpu", L_self_buffers_bias_: "f32[1, 1, 16, 16]cpu", L_v_: "f32[2, 2, 6, 8]cpu"):
         l_k_ = L_k_
@@ -90,49 +118,44 @@ class GraphModule(torch.nn.Module):
         q, k, v = _qkv()
         torch.testing.assert_close(torch.compile(NanoAttention(), backend=as_torch_2_11)(q, k, v), NanoAttention()(q, k, v))
         records = [r for report in fxpass.reports() for r in report.records if r.rule == "attention"]
-        self.assertTrue(spelled)
-        self.assertEqual([(r.applied, r.params["causal"]) for r in records], [(True, True)])
+        assert spelled
+        assert [(r.applied, r.params["causal"]) for r in records] == [(True, True)]
 
-    def test_inline_tril_and_division(self):
-        def fn(q, k, v):
-            scores = q @ k.transpose(-2, -1) / math.sqrt(D)
-            mask = torch.tril(torch.ones(T, T))
-            return torch.softmax(scores.masked_fill(mask == 0, float("-inf")), dim=-1) @ v
-
-        ex = _check(fn, *_qkv())
-        self.assertEqual(_attention_records(ex)[0].params["causal"], True)
-
-    def test_upcast_before_softmax_and_inverted_tril(self):
-        """``softmax(scores.float()).to(q.dtype)`` with ``masked_fill(~tril, -inf)``, as benchmark code writes it."""
-
-        def fn(q, k, v, upcast):
-            scores = q @ k.transpose(-2, -1) / math.sqrt(D)
-            mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
-            scores = upcast(scores.masked_fill(~mask, float("-inf")))
-            return torch.softmax(scores, dim=-1).to(q.dtype) @ v
-
-        for upcast in (lambda s: s.float(), lambda s: s.to(torch.float32), lambda s: s.type(torch.float32)):
-            ex = _check(lambda q, k, v, upcast=upcast: fn(q, k, v, upcast), *_qkv())
-            (record,) = _attention_records(ex)
-            self.assertTrue(record.applied)
-            self.assertEqual(record.params["causal"], True)
-
-    def test_einsum_spellings(self):
-        """einsum for both products: named heads, an ellipsis batch, and [B·H, T, D] operands."""
-        forms = [
-            ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd", _qkv()),
-            ("...id,...jd->...ij", "...ij,...jd->...id", _qkv(queries=5, keys=7)),
-            ("b i d, b j d -> b i j", "b i j, b j d -> b i d", [t.detach().flatten(0, 1).requires_grad_() for t in _qkv()]),
-        ]
-        for scores_eq, values_eq, inputs in forms:
-
-            def fn(q, k, v, scores_eq=scores_eq, values_eq=values_eq):
-                return torch.einsum(values_eq, torch.softmax(torch.einsum(scores_eq, q, k) * D**-0.5, dim=-1), v)
-
-            (record,) = _attention_records(_check(fn, *inputs))
-            self.assertTrue(record.applied, scores_eq)
-            self.assertEqual(record.params["scale"], D**-0.5)
-
+    @pytest.mark.parametrize(
+        ("fn", "inputs", "expected"),
+        [
+            pytest.param(_inline_tril_and_division, _qkv, {"causal": True}, id="inline_tril_and_division"),
+            # ``softmax(scores.float()).to(q.dtype)`` with ``masked_fill(~tril, -inf)``, as benchmark code writes it
+            pytest.param(_upcast_and_inverted_tril(lambda s: s.float()), _qkv, {"causal": True},
+                         id="upcast_before_softmax_and_inverted_tril-float"),
+            pytest.param(_upcast_and_inverted_tril(lambda s: s.to(torch.float32)), _qkv, {"causal": True},
+                         id="upcast_before_softmax_and_inverted_tril-to"),
+            pytest.param(_upcast_and_inverted_tril(lambda s: s.type(torch.float32)), _qkv, {"causal": True},
+                         id="upcast_before_softmax_and_inverted_tril-type"),
+            # einsum for both products: named heads, an ellipsis batch, and [B·H, T, D] operands
+            pytest.param(_einsum("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"), _qkv, {"scale": D**-0.5},
+                         id="einsum_spellings-named_heads"),
+            pytest.param(_einsum("...id,...jd->...ij", "...ij,...jd->...id"), lambda: _qkv(queries=5, keys=7),
+                         {"scale": D**-0.5}, id="einsum_spellings-ellipsis_batch"),
+            pytest.param(_einsum("b i d, b j d -> b i j", "b i j, b j d -> b i d"),
+                         lambda: [t.detach().flatten(0, 1).requires_grad_() for t in _qkv()], {"scale": D**-0.5},
+                         id="einsum_spellings-heads_in_the_batch"),
+            # T5: no scale, a learned [1, H, T, T] position bias added to the scores; its gradient flows
+            pytest.param(lambda q, k, v, bias: torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v,
+                         lambda: (*_qkv(), torch.randn(1, H, T, T, requires_grad=True)), {"mask": "additive bias"},
+                         id="learned_position_bias_gets_its_gradient"),
+            # T5-like: no scale, ``bmm`` over [B·H, T, D]
+            pytest.param(lambda q, k, v: torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v),
+                         _bmm_inputs, {"scale": 1.0}, id="batched_three_dim_without_scale"),
+            pytest.param(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1) @ v,
+                         lambda: _qkv(queries=5, keys=9), {"keys": "9"}, id="cross_attention_lengths_differ"),
+        ],
+    )
+    def test_rewritten(self, fn, inputs, expected):
+        """One attention, rewritten with eager's output and gradients; its record's parameters as ``expected``."""
+        (record,) = _attention_records(_check(fn, *inputs()))
+        assert record.applied, record.reason
+        assert {name: record.params[name] for name in expected} == expected
     def test_einsum_that_is_not_attention(self):
         """Contracting the wrong dimension (q kᵀ over heads, say) is no candidate."""
 
@@ -140,15 +163,7 @@ class GraphModule(torch.nn.Module):
             return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(torch.einsum("bhqd,bhqe->bhde", q, k), -1), v)
 
         q, k, v = _qkv(queries=D, keys=D)
-        self.assertEqual(_attention_records(rewritten(fn, q, k, v)), [])
-
-    def test_learned_position_bias_gets_its_gradient(self):
-        """T5: no scale, a learned [1, H, T, T] position bias added to the scores; its gradient flows."""
-        position_bias = torch.randn(1, H, T, T, requires_grad=True)
-        ex = _check(lambda q, k, v, bias: torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1) @ v, *_qkv(), position_bias)
-        (record,) = _attention_records(ex)
-        self.assertTrue(record.applied)
-        self.assertEqual(record.params["mask"], "additive bias")
+        assert _attention_records(rewritten(fn, q, k, v)) == []
 
     def test_arange_comparison_where_finfo_min(self):
         """GPT-2 style ``where(causal, scores, finfo.min)`` with the mask built from arange comparisons."""
@@ -162,7 +177,7 @@ class GraphModule(torch.nn.Module):
             return torch.matmul(F.softmax(scores, dim=-1), v)
 
         ex = _check(fn, *_qkv())
-        self.assertExpectedInline(after_code(ex), """\
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f32[2, 2, 6, 8]cpu", L_q_: "f32[2, 2, 6, 8]cpu", L_v_: "f32[2, 2, 6, 8]cpu"):
         l_k_ = L_k_
@@ -189,7 +204,7 @@ class GraphModule(torch.nn.Module):
 
         q, k, v = _qkv(heads=4, kv_heads=2)
         ex = _check(fn, q, k, v, padding)
-        self.assertExpectedInline(after_code(ex), """\
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f32[2, 2, 6, 8]cpu", L_v_: "f32[2, 2, 6, 8]cpu", L_q_: "f32[2, 4, 6, 8]cpu", L_mask_: "f32[2, 1, 1, 6]cpu"):
         l_k_ = L_k_
@@ -200,23 +215,7 @@ class GraphModule(torch.nn.Module):
         getitem_2: "f32[2, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
         return (getitem_2,)""")
         params = _attention_records(ex)[0].params
-        self.assertEqual((params["heads"], params["kv_heads"], params["mask"]), ("4", "2", "additive bias"))
-
-    def test_batched_three_dim_without_scale(self):
-        """T5-like: no scale, ``bmm`` over [B·H, T, D]."""
-
-        def fn(q, k, v):
-            return torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)), dim=-1), v)
-
-        gen = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(4, T, D, generator=gen, requires_grad=True) for _ in range(3))
-        ex = _check(fn, q, k, v)
-        self.assertEqual(_attention_records(ex)[0].params["scale"], 1.0)
-
-    def test_cross_attention_lengths_differ(self):
-        q, k, v = _qkv(queries=5, keys=9)
-        ex = _check(lambda q, k, v: torch.softmax(q @ k.transpose(-2, -1) * 0.3, dim=-1) @ v, q, k, v)
-        self.assertEqual(_attention_records(ex)[0].params["keys"], "9")
+        assert (params["heads"], params["kv_heads"], params["mask"]) == ("4", "2", "additive bias")
 
     def test_dropout_is_passed_on(self):
         """Dropout in training mode reaches the op (its draws differ from eager's, so only shapes compare)."""
@@ -232,13 +231,13 @@ class GraphModule(torch.nn.Module):
         torch.testing.assert_close(mean, fused(q, k, v, None, 0.35, True, 0.0)[0], rtol=0.1, atol=0.1)
 
 
-class TestDeclines(TestCase):
+class TestDeclines:
     def test_probabilities_returned(self):
         def fn(q, k, v):
             probs = torch.softmax(q @ k.transpose(-2, -1), dim=-1)
             return probs @ v, probs
 
-        self.assertExpectedInline(record_lines(rewritten(fn, *_qkv())), """attention applied=False proof=None: the attention scores/probabilities (probs) are also returned from the compiled graph, so they stay alive""")
+        assert_expected_inline(record_lines(rewritten(fn, *_qkv())), """attention applied=False proof=None: the attention scores/probabilities (probs) are also returned from the compiled graph, so they stay alive""")
 
     def test_sdpa_left_alone(self):
         """SDPA with is_causal or a mask that is not provably causal is already O(T): declined with why."""
@@ -247,7 +246,7 @@ class TestDeclines(TestCase):
         padding[1, ..., -2:] = False
         ex = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
         ex_padded = rewritten(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, k, v, padding)
-        self.assertExpectedInline(record_lines(ex) + "\n" + record_lines(ex_padded), """\
+        assert_expected_inline(record_lines(ex) + "\n" + record_lines(ex_padded), """\
 attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is
 attention applied=False proof=None: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask has no query dimension: already [B, 1, 1, Tk])""")
 
@@ -261,11 +260,11 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
 
         ex = _check(fn, *_qkv())
         (record,) = _attention_records(ex)
-        self.assertTrue(record.applied)
-        self.assertEqual(record.params["mask"], "causal (flag)")
-        self.assertEqual(record.params["lowering"], "F.scaled_dot_product_attention(is_causal=True)")
-        self.assertNotIn("tril", after_code(ex))
-        self.assertIn("is_causal = True", after_code(ex))
+        assert record.applied
+        assert record.params["mask"] == "causal (flag)"
+        assert record.params["lowering"] == "F.scaled_dot_product_attention(is_causal=True)"
+        assert "tril" not in after_code(ex)
+        assert "is_causal = True" in after_code(ex)
 
     def test_sdpa_with_one_key_head_broadcast(self):
         """transformers 5.17's Falcon hands SDPA one key/value head broadcast over the query heads (multi-query
@@ -279,10 +278,10 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
 
         ex = _check(fn, *_qkv(heads=4, kv_heads=1))
         (record,) = _attention_records(ex)
-        self.assertTrue(record.applied, record.reason)
-        self.assertEqual((record.params["heads"], record.params["kv_heads"]), ("4", "1"))
-        self.assertIn("enable_gqa = True", after_code(ex))
-        self.assertNotIn("tril", after_code(ex))
+        assert record.applied, record.reason
+        assert (record.params["heads"], record.params["kv_heads"]) == ("4", "1")
+        assert "enable_gqa = True" in after_code(ex)
+        assert "tril" not in after_code(ex)
 
     def test_sdpa_mask_flag_under_autocast_with_mixed_dtypes(self):
         """Llama's rotary embedding leaves q and k in fp32 beside a bf16 v; autocast casts all three (and a float
@@ -297,8 +296,8 @@ attention applied=False proof=None: F.scaled_dot_product_attention is already a 
 
         ex = _check(fn, *_qkv())
         (record,) = _attention_records(ex)
-        self.assertTrue(record.applied, record.reason)
-        self.assertIn("is_causal = True", after_code(ex))
+        assert record.applied, record.reason
+        assert "is_causal = True" in after_code(ex)
 
     def test_softmax_that_is_not_attention(self):
         gate = nn.Linear(D, 4)
@@ -366,7 +365,7 @@ _MASKINGS = {
 }
 
 
-class TestPaddingMasks(TestCase):
+class TestPaddingMasks:
     """Masks built from a [B, T] attention_mask become a causal flag and a [B, 1, 1, Tk] key bias."""
 
     def test_transformers_eager_mask_snapshot(self):
@@ -378,10 +377,10 @@ class TestPaddingMasks(TestCase):
 
         ex = _check(fn, *_padded_qkv(), _padding("left"))
         (record,) = _attention_records(ex)
-        self.assertEqual(record.params["mask"], "causal (flag) + key padding")
-        self.assertEqual(record.params["empty_rows"], "mean of v, with eager's q and k gradients")
-        self.assertEqual(square_tensors(ex, T), [])
-        self.assertExpectedInline(after_code(ex), """\
+        assert record.params["mask"] == "causal (flag) + key padding"
+        assert record.params["empty_rows"] == "mean of v, with eager's q and k gradients"
+        assert square_tensors(ex, T) == []
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f64[3, 2, 6, 8]cpu", L_q_: "f64[3, 4, 6, 8]cpu", L_pad_: "i64[3, 6]cpu", L_v_: "f64[3, 2, 6, 8]cpu"):
         l_k_ = L_k_
@@ -424,62 +423,76 @@ class GraphModule(torch.nn.Module):
         where_2: "f64[3, 4, 6, 8]cpu" = torch.where(transpose_1, add_3, getitem_7);  transpose_1 = add_3 = getitem_7 = None
         return (where_2,)""")
 
-    def test_rows_without_keys_match_eager(self):
+    @pytest.mark.parametrize(("causal", "kind"), [(True, "causal (flag) + key padding"), (False, "key padding")],
+                             ids=["causal", "not_causal"])
+    @pytest.mark.parametrize(
+        ("name", "empty_rows"),
+        [
+            pytest.param("added finfo.min", "mean of v, with eager's q and k gradients", id="added_finfo_min"),
+            pytest.param("added finfo.min, tensor zero", "mean of v, with eager's q and k gradients",
+                         id="added_finfo_min_tensor_zero"),
+            pytest.param("masked_fill finfo.min", "mean of v", id="masked_fill_finfo_min"),
+            pytest.param("where finfo.min", "mean of v", id="where_finfo_min"),
+            pytest.param("added -inf", "zero", id="added_minus_inf"),
+        ],
+    )
+    def test_rows_without_keys_match_eager(self, causal, kind, name, empty_rows):
         """Each way of hiding keys, with rows left without any key (left padding, a sequence of padding):
         output and gradients equal eager's in float64, whatever eager computes there."""
         pad = _padding("empty")
-        expected_rows = {"added finfo.min": "mean of v, with eager's q and k gradients",
-                         "added finfo.min, tensor zero": "mean of v, with eager's q and k gradients",
-                         "masked_fill finfo.min": "mean of v", "where finfo.min": "mean of v", "added -inf": "zero"}
-        for causal in (True, False):
-            for name, masking in _MASKINGS.items():
-                torch._dynamo.reset()  # one code object, ten variants: past Dynamo's recompile limit otherwise
+        masking = _MASKINGS[name]
 
-                def fn(q, k, v, pad, masking=masking, causal=causal):
-                    i = torch.arange(pad.shape[1])
-                    allowed = i[None, None, None, :] <= i[None, None, :, None] if causal else True
-                    keep = pad.bool()[:, None, None, :] & allowed
-                    return _eager_attention(q, k, v, lambda s: masking(s, keep, torch.finfo(s.dtype).min))
+        def fn(q, k, v, pad):
+            i = torch.arange(pad.shape[1])
+            allowed = i[None, None, None, :] <= i[None, None, :, None] if causal else True
+            keep = pad.bool()[:, None, None, :] & allowed
+            return _eager_attention(q, k, v, lambda s: masking(s, keep, torch.finfo(s.dtype).min))
 
-                inputs = _padded_qkv()
-                if name == "added -inf":  # eager softmax gives NaN on rows without keys; the op gives 0
-                    expected = fn(*inputs, pad).nan_to_num(0.0)
-                    ex = rewritten(fn, *inputs, pad)
-                    torch.testing.assert_close(ex.result, expected)
-                else:
-                    ex = _check(fn, *inputs, pad)
-                (record,) = _attention_records(ex)
-                kind = "causal (flag) + key padding" if causal else "key padding"
-                self.assertEqual((record.params["mask"], record.params["empty_rows"]), (kind, expected_rows[name]))
-                self.assertEqual(square_tensors(ex, T), [], name)
+        inputs = _padded_qkv()
+        if name == "added -inf":  # eager softmax gives NaN on rows without keys; the op gives 0
+            expected = fn(*inputs, pad).nan_to_num(0.0)
+            ex = rewritten(fn, *inputs, pad)
+            torch.testing.assert_close(ex.result, expected)
+        else:
+            ex = _check(fn, *inputs, pad)
+        (record,) = _attention_records(ex)
+        assert (record.params["mask"], record.params["empty_rows"]) == (kind, empty_rows)
+        assert square_tensors(ex, T) == []
 
-    def test_sdpa_boolean_masks(self):
+    @pytest.mark.parametrize(
+        ("mask_function", "padding", "lowering"),
+        [
+            pytest.param(masking_utils.causal_mask_function, "left", "memopt.flash_attention", id="causal+padding"),
+            pytest.param(masking_utils.bidirectional_mask_function, "empty",
+                         "F.scaled_dot_product_attention with a [B, 1, 1, Tk] mask", id="padding"),
+            pytest.param(masking_utils.causal_mask_function, "ones", "memopt.flash_attention", id="causal+all_ones"),
+        ],
+    )
+    def test_sdpa_boolean_masks(self, mask_function, padding, lowering):
         """transformers' SDPA masks: causal ∧ padding (all ones included: the values are not known when compiling)
         → memopt.flash_attention (rows without keys give 0, as SDPA does); padding alone → SDPA with a
-        [B, 1, 1, Tk] mask; causal alone → SDPA with is_causal=True."""
-        cases = {
-            "causal+padding": (masking_utils.causal_mask_function, "left", "memopt.flash_attention"),
-            "padding": (masking_utils.bidirectional_mask_function, "empty", "F.scaled_dot_product_attention with a [B, 1, 1, Tk] mask"),
-            "causal+all ones": (masking_utils.causal_mask_function, "ones", "memopt.flash_attention"),
-        }
-        for name, (mask_function, padding, lowering) in cases.items():
-            def fn(q, k, v, pad, mask_function=mask_function):
-                mask = _hf_mask(pad, mask_function, sdpa=True)
-                return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3)
+        [B, 1, 1, Tk] mask."""
 
-            ex = _check(fn, *_padded_qkv(), _padding(padding))
-            (record,) = _attention_records(ex)
-            self.assertTrue(record.applied, record.reason)
-            self.assertEqual(record.params["lowering"], lowering, name)
-            self.assertEqual(square_tensors(ex, T), [], name)
+        def fn(q, k, v, pad):
+            mask = _hf_mask(pad, mask_function, sdpa=True)
+            return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3)
+
+        ex = _check(fn, *_padded_qkv(), _padding(padding))
+        (record,) = _attention_records(ex)
+        assert record.applied, record.reason
+        assert record.params["lowering"] == lowering
+        assert square_tensors(ex, T) == []
+
+    def test_sdpa_causal_mask_alone(self):
+        """transformers' SDPA mask, causal alone → SDPA with is_causal=True."""
 
         def causal_only(q, k, v):
             mask = masking_utils.sdpa_mask(batch_size=B, q_length=T, kv_length=T, allow_is_causal_skip=False)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
         ex = _check(causal_only, *_qkv())
-        self.assertIn("is_causal = True", after_code(ex))
-        self.assertEqual(square_tensors(ex, T), [])
+        assert "is_causal = True" in after_code(ex)
+        assert square_tensors(ex, T) == []
 
     def test_unproved_masks_stay_a_bias_with_the_reason(self):
         """A union of conditions, fp16's finfo.min: the mask stays a tensor and the record says why; the results
@@ -492,8 +505,8 @@ class GraphModule(torch.nn.Module):
 
             ex = _check(fn, *_padded_qkv(), _padding("left"))
             (record,) = _attention_records(ex)
-            self.assertTrue(record.applied)
-            self.assertEqual(record.params["mask"], "additive bias")
+            assert record.applied
+            assert record.params["mask"] == "additive bias"
             notes[name] = record.params["mask_note"]
 
             def sdpa(q, k, v, pad, mask_function=mask_function):
@@ -508,7 +521,7 @@ class GraphModule(torch.nn.Module):
 
         ex = _check(fp16_fill, *_padded_qkv(), _padding("right"))
         notes["fp16"] = _attention_records(ex)[0].params["mask_note"]
-        self.assertExpectedInline("\n".join(f"{k}: {v}" for k, v in notes.items()), """\
+        assert_expected_inline("\n".join(f"{k}: {v}" for k, v in notes.items()), """\
 union: the mask (mask) stays a bias: the mask is a union of conditions (or_masks), not an intersection
 union, sdpa: F.scaled_dot_product_attention is already a fused kernel with O(T) memory; left as is (its mask stays: the mask is a union of conditions (or_masks), not an intersection)
 fp16: the mask (to_2) stays a bias: its fill -65504 does not absorb the scores (a fill <= -1e+30 does)""")
@@ -526,7 +539,7 @@ def _window_mask(pad, window, sdpa=False, dtype=torch.float64):
     )
 
 
-class TestSlidingWindows(TestCase):
+class TestSlidingWindows:
     """transformers' sliding-window masks (Mistral, Qwen2, Gemma 2/3) become the op's ``window`` argument: no
     T×T tensor is built, under eager attention and SDPA alike."""
 
@@ -538,9 +551,9 @@ class TestSlidingWindows(TestCase):
 
         ex = _check(fn, *_padded_qkv())
         (record,) = _attention_records(ex)
-        self.assertEqual((record.params["mask"], record.params["window"]), ("causal (flag) + sliding window of 3 keys", 3))
-        self.assertEqual(square_tensors(ex, T), [])
-        self.assertExpectedInline(after_code(ex), """\
+        assert (record.params["mask"], record.params["window"]) == ("causal (flag) + sliding window of 3 keys", 3)
+        assert square_tensors(ex, T) == []
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f64[3, 2, 6, 8]cpu", L_q_: "f64[3, 4, 6, 8]cpu", L_v_: "f64[3, 2, 6, 8]cpu"):
         l_k_ = L_k_
@@ -562,9 +575,9 @@ class GraphModule(torch.nn.Module):
 
         ex = _check(fn, *_padded_qkv())
         (record,) = _attention_records(ex)
-        self.assertEqual(record.params["lowering"], "memopt.flash_attention")
-        self.assertEqual(square_tensors(ex, T), [])
-        self.assertExpectedInline(after_code(ex), """\
+        assert record.params["lowering"] == "memopt.flash_attention"
+        assert square_tensors(ex, T) == []
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f64[3, 2, 6, 8]cpu", L_v_: "f64[3, 2, 6, 8]cpu", L_q_: "f64[3, 4, 6, 8]cpu"):
         l_k_ = L_k_
@@ -575,35 +588,32 @@ class GraphModule(torch.nn.Module):
         flash_attention_default = torch.ops.memopt.flash_attention.default(l_q_, l_k_, l_v_, None, 0.3, True, 0.0, window = 3);  l_q_ = l_k_ = l_v_ = None
         getitem_6: "f64[3, 4, 6, 8]cpu" = flash_attention_default[0];  flash_attention_default = None
         return (getitem_6,)""")
-        self.assertIn("the [B, 1, Tq, Tk] mask is no longer built: memopt.flash_attention, causal flag and a sliding "
-                      "window of 3 keys", record.reason)
+        assert (
+            "the [B, 1, Tq, Tk] mask is no longer built: memopt.flash_attention, causal flag and a sliding window of 3 keys"
+            in record.reason
+        )
 
-    def test_windows_with_padding_match_eager(self):
+    @pytest.mark.parametrize("sdpa", [False, True], ids=["eager", "sdpa"])
+    @pytest.mark.parametrize("padding", ["right", "left", "empty"])
+    @pytest.mark.parametrize("window", [1, 3], ids=["window_1", "window_3"])
+    def test_windows_with_padding_match_eager(self, window, padding, sdpa):
         """Windows of 1 and 3 keys with right, left and whole-sequence padding, eager (0 / finfo.min added) and
         SDPA (boolean): causal flag, window and key bias, exact in float64. Right padding empties the rows whose
         window lies wholly in the padding: eager gives them the mean of v (with its gradients), SDPA zeros."""
-        for window in (1, 3):
-            for padding in ("right", "left", "empty"):
-                for sdpa in (False, True):
-                    torch._dynamo.reset()
 
-                    def fn(q, k, v, pad, window=window, sdpa=sdpa):
-                        mask = _window_mask(pad, window, sdpa=sdpa)
-                        if sdpa:
-                            return F.scaled_dot_product_attention(
-                                q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3
-                            )
-                        return _eager_attention(q, k, v, lambda s, mask=mask: s + mask)
+        def fn(q, k, v, pad):
+            mask = _window_mask(pad, window, sdpa=sdpa)
+            if sdpa:
+                return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask, scale=0.3)
+            return _eager_attention(q, k, v, lambda s: s + mask)
 
-                    ex = _check(fn, *_padded_qkv(), _padding(padding))
-                    (record,) = _attention_records(ex)
-                    case = (window, padding, sdpa)
-                    self.assertTrue(record.applied, case)
-                    self.assertEqual(record.params["mask"], f"causal (flag) + sliding window of {window} keys + key padding",
-                                     case)
-                    self.assertEqual(record.params["lowering"], "memopt.flash_attention", case)
-                    self.assertEqual(record.params["empty_rows"], "zero" if sdpa else "mean of v, with eager's q and k gradients")
-                    self.assertEqual(square_tensors(ex, T), [], case)
+        ex = _check(fn, *_padded_qkv(), _padding(padding))
+        (record,) = _attention_records(ex)
+        assert record.applied, record.reason
+        assert record.params["mask"] == f"causal (flag) + sliding window of {window} keys + key padding"
+        assert record.params["lowering"] == "memopt.flash_attention"
+        assert record.params["empty_rows"] == ("zero" if sdpa else "mean of v, with eager's q and k gradients")
+        assert square_tensors(ex, T) == []
 
     def test_hand_written_band(self):
         """nanoGPT-style code: a band of arange comparisons with masked_fill(-inf)."""
@@ -615,7 +625,7 @@ class GraphModule(torch.nn.Module):
             return torch.softmax(scores.masked_fill(~band, float("-inf")), dim=-1) @ v
 
         (record,) = _attention_records(_check(fn, *_qkv()))
-        self.assertEqual((record.params["causal"], record.params["window"]), (True, 2))
+        assert (record.params["causal"], record.params["window"]) == (True, 2)
 
     def test_a_window_as_wide_as_the_sequence_is_plain_causal(self):
         """Mistral's 4096 keys at a shorter length hide nothing: causal alone, so SDPA keeps ``is_causal`` (and
@@ -629,10 +639,10 @@ class GraphModule(torch.nn.Module):
             return F.scaled_dot_product_attention(q, _repeat_kv(k, 2), _repeat_kv(v, 2), attn_mask=mask)
 
         (record,) = _attention_records(_check(eager, *_padded_qkv()))
-        self.assertEqual(record.params["mask"], "causal (flag)")
-        self.assertNotIn("window", record.params)
+        assert record.params["mask"] == "causal (flag)"
+        assert "window" not in record.params
         ex = _check(sdpa, *_padded_qkv())
-        self.assertIn("is_causal = True", after_code(ex))
+        assert "is_causal = True" in after_code(ex)
 
     def test_symbolic_lengths_keep_the_window_without_a_guard(self):
         """Under dynamic shapes whether the window is narrower than the sequence is unknown: the window stays an
@@ -653,7 +663,7 @@ class GraphModule(torch.nn.Module):
             torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
         (record,) = [r for report in fxpass.reports() for r in report.records if r.rule == "attention"]
-        self.assertEqual((record.applied, record.params["window"]), (True, 3))
+        assert (record.applied, record.params["window"]) == (True, 3)
 
 
 def _window_mask_of_length(length, window):
@@ -681,7 +691,34 @@ def _gemma2_attention(q, k, v, mask, softcap=2.0, scaling=0.3):
     return eager_attention_forward(_GEMMA2_MODULE, q, k, v, mask, scaling=scaling, softcap=softcap)[0]
 
 
-class TestSoftcap(TestCase):
+def _mask_then_cap():
+    i = torch.arange(T)
+    hidden = i[None, :] > i[:, None]
+
+    def mask_then_cap(q, k, v):
+        scores = (q @ k.transpose(-2, -1) * 0.3).masked_fill(hidden, float("-inf"))
+        return torch.softmax(torch.tanh(scores / 2.0) * 2.0, dim=-1) @ v
+
+    return mask_then_cap
+
+
+def _cap_then_scale():
+    def cap_then_scale(q, k, v):
+        return torch.softmax(torch.tanh(q @ k.transpose(-2, -1) / 2.0) * 2.0 * 0.3, dim=-1) @ v
+
+    return cap_then_scale
+
+
+def _bias_then_scale():
+    bias = torch.randn(1, H, T, T)
+
+    def bias_then_scale(q, k, v):
+        return torch.softmax((q @ k.transpose(-2, -1) + bias) * 0.3, dim=-1) @ v
+
+    return bias_then_scale
+
+
+class TestSoftcap:
     """Gemma 2's ``attn_logit_softcapping``: tanh(s/c)·c between the scaled scores and the mask, in the op.
 
     Gemma 2's code runs its softmax in float32 whatever the inputs, so its tests run in float32 throughout."""
@@ -692,9 +729,9 @@ class TestSoftcap(TestCase):
 
         ex = _check(fn, *_padded_qkv(dtype=torch.float32))
         (record,) = _attention_records(ex)
-        self.assertEqual((record.params["softcap"], record.params["mask"]), (2.0, "causal (flag)"))
-        self.assertEqual(square_tensors(ex, T), [])
-        self.assertExpectedInline(after_code(ex), """\
+        assert (record.params["softcap"], record.params["mask"]) == (2.0, "causal (flag)")
+        assert square_tensors(ex, T) == []
+        assert_expected_inline(after_code(ex), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_k_: "f32[3, 2, 6, 8]cpu", L_v_: "f32[3, 2, 6, 8]cpu", L_q_: "f32[3, 4, 6, 8]cpu"):
         l_k_ = L_k_
@@ -715,7 +752,7 @@ class GraphModule(torch.nn.Module):
             return _gemma2_attention(q, k, v, _window_mask(None, 2, dtype=torch.float32), softcap=1.5)
 
         (record,) = _attention_records(_check(fn, *_padded_qkv(dtype=torch.float32)))
-        self.assertEqual((record.params["softcap"], record.params["window"]), (1.5, 2))
+        assert (record.params["softcap"], record.params["window"]) == (1.5, 2)
 
     def test_spellings_of_the_cap(self):
         """``c * tanh(s * (1/c))`` caps the same way; the fp32 upcast before softmax is allowed."""
@@ -728,53 +765,41 @@ class GraphModule(torch.nn.Module):
             return torch.softmax(scores.float(), dim=-1) @ v
 
         (record,) = _attention_records(_check(fn, *_qkv()))
-        self.assertEqual((record.params["softcap"], record.params["causal"]), (4.0, True))
+        assert (record.params["softcap"], record.params["causal"]) == (4.0, True)
 
-    def test_orders_the_op_cannot_compute_are_declined(self):
+    @pytest.mark.parametrize(
+        ("build", "expected"),
+        [
+            pytest.param(_mask_then_cap, Expect("""attention applied=False proof=None: a mask or bias (scores) is applied before the softcap (truediv), which transforms it too"""), id="mask_then_cap"),
+            pytest.param(_cap_then_scale, Expect("""attention applied=False proof=None: the scores are scaled after their softcap (mul), not before"""), id="cap_then_scale"),
+            pytest.param(_bias_then_scale, Expect("""attention applied=False proof=None: a mask or bias (add) is applied before the scale (mul), which transforms it too"""), id="bias_then_scale"),
+        ],
+    )
+    def test_orders_the_op_cannot_compute_are_declined(self, build, expected):
         """A mask applied before the cap (tanh(-inf) is -1: a capped mask hides nothing), a scale applied after
         it, and a bias added before the scale: each is declined with the reason, never computed otherwise."""
-        i = torch.arange(T)
-        hidden = i[None, :] > i[:, None]
-        bias = torch.randn(1, H, T, T)
+        fn = build()
+        ex = rewritten(fn, *_qkv())
+        torch.testing.assert_close(ex.result, fn(*_qkv()))
+        expected.assert_expected(record_lines(ex))
 
-        def mask_then_cap(q, k, v):
-            scores = (q @ k.transpose(-2, -1) * 0.3).masked_fill(hidden, float("-inf"))
-            return torch.softmax(torch.tanh(scores / 2.0) * 2.0, dim=-1) @ v
-
-        def cap_then_scale(q, k, v):
-            return torch.softmax(torch.tanh(q @ k.transpose(-2, -1) / 2.0) * 2.0 * 0.3, dim=-1) @ v
-
-        def bias_then_scale(q, k, v):
-            return torch.softmax((q @ k.transpose(-2, -1) + bias) * 0.3, dim=-1) @ v
-
-        lines = []
-        for fn in (mask_then_cap, cap_then_scale, bias_then_scale):
-            ex = rewritten(fn, *_qkv())
-            torch.testing.assert_close(ex.result, fn(*_qkv()))
-            lines.append(f"{fn.__name__}: {record_lines(ex)}")
-        self.assertExpectedInline("\n".join(lines), """\
-mask_then_cap: attention applied=False proof=None: a mask or bias (scores) is applied before the softcap (truediv), which transforms it too
-cap_then_scale: attention applied=False proof=None: the scores are scaled after their softcap (mul), not before
-bias_then_scale: attention applied=False proof=None: a mask or bias (add) is applied before the scale (mul), which transforms it too""")
-
-    def test_left_padding_with_a_softcap(self):
+    @pytest.mark.parametrize("window", [None, 2], ids=["no_window", "window_2"])
+    def test_left_padding_with_a_softcap(self, window):
         """Rows without keys (left padding, a sequence of padding), where eager's added finfo.min gives uniform
         probabilities and passes softmax's gradient through each score's cap to q and k: the rewrite gives them
         ``memopt.flash_attention_uniform_rows`` (the mean of v, with exactly that gradient), with and without a
         window."""
-        for window in (None, 2):
-            torch._dynamo.reset()
 
-            def fn(q, k, v, pad, window=window):
-                mask = _hf_mask(pad, dtype=torch.float32) if window is None else _window_mask(
-                    pad, window, dtype=torch.float32)
-                return _gemma2_attention(q, k, v, mask, softcap=1.5)
+        def fn(q, k, v, pad):
+            mask = _hf_mask(pad, dtype=torch.float32) if window is None else _window_mask(
+                pad, window, dtype=torch.float32)
+            return _gemma2_attention(q, k, v, mask, softcap=1.5)
 
-            ex = _check(fn, *_padded_qkv(dtype=torch.float32), _padding("empty"))
-            (record,) = _attention_records(ex)
-            self.assertEqual(record.params["empty_rows"], "mean of v, with eager's q and k gradients")
-            self.assertIn("flash_attention_uniform_rows", after_code(ex))
-            self.assertEqual(square_tensors(ex, T), [])
+        ex = _check(fn, *_padded_qkv(dtype=torch.float32), _padding("empty"))
+        (record,) = _attention_records(ex)
+        assert record.params["empty_rows"] == "mean of v, with eager's q and k gradients"
+        assert "flash_attention_uniform_rows" in after_code(ex)
+        assert square_tensors(ex, T) == []
 
 
 def _hf_mask_without_padding(dtype=torch.float64):
