@@ -7,8 +7,8 @@ log-sum-exp. The backward recomputes each tile's probabilities from that log-sum
 delta = rowsum(out ∘ grad_out). One kernel pins a block of keys/values and sweeps the query blocks of every query
 head that reads it (GQA) to accumulate dK and dV; another pins a block of queries and sweeps the keys for dQ. Every
 gradient tile has a single owner, so no atomics are needed and gradients are deterministic. An alternative
-(``ATOMIC_DQ`` in the backward settings, off: 2.2× slower on the H200, docs/tuning.md) adds dQ from the dK/dV kernel with
-fp32 atomics, as FA2 does: five GEMMs a tile instead of seven, at the price of a run-dependent summation order.
+(``ATOMIC_DQ`` in the backward settings, off: 2.2× slower on the H200, docs/tuning.md) adds dQ from the dK/dV kernel
+with fp32 atomics, as FA2 does: five GEMMs a tile instead of seven, at the price of a run-dependent summation order.
 
 Scores are kept in base 2 (log2 e folded into the scale, exp2 everywhere); the returned lse is in natural log.
 Causal masking is top-left aligned: query i sees keys j ≤ i. Blocks wholly above the diagonal are never visited,
