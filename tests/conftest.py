@@ -17,6 +17,11 @@ import torch._dynamo
 
 os.environ.setdefault("MEMOPT_STRICT", "1")
 
+# Under pytest-xdist each worker takes its share of the cores: two workers of two intra-op threads each on two
+# cores made the CPU-bound op tests 3-7× slower than run alone (OpenMP threads waiting on each other).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # What importing these does to process-wide state happens here, before the first test's snapshot: fxpass adds
 # transformers' ``warning_once`` to Dynamo's ignored logging functions once transformers defines it; building the
 # first model imports transformers' generation code, which imports scikit-learn where it is installed (the GPU

@@ -35,10 +35,15 @@ def _requirements() -> list[Requirement]:
     return [Requirement(spec) for spec in [*project["dependencies"], *extras["test"], *extras["demo"]]]
 
 
-def test_ci_runs_the_readmes_test_command_from_the_constraints():
-    command = _readme_test_command()
-    assert "-c .ci/constraints.txt" in command
-    assert command in (ROOT / ".ci" / "run").read_text()
+def test_ci_installs_as_the_readme_does_and_runs_the_full_suite():
+    """The README's command installs from the constraints and runs the quick tier; CI installs the same way and
+    runs every test."""
+    install, tests = (part.strip() for part in _readme_test_command().split("&&"))
+    assert "-c .ci/constraints.txt" in install
+    assert tests.startswith("python -m pytest") and '-m "not slow"' in tests
+    run = (ROOT / ".ci" / "run").read_text()
+    assert f"timed install {install}\n" in run
+    assert "timed \"full suite\" python -m pytest -n 2\n" in run
 
 
 def test_every_dependency_pinned_within_its_bounds():

@@ -34,6 +34,7 @@ def assert_both_backends_agree(case: zoo.Case) -> None:
     assert case.held_by.startswith("memopt's peak is in the "), case
 
 
+@pytest.mark.slow
 def test_padded_run_fills_the_table(tmp_path):
     cases = run(tmp_path, "--families", ",".join(FAMILIES), "--masks", "padded")
 
@@ -49,6 +50,7 @@ def test_padded_run_fills_the_table(tmp_path):
     assert len(json.loads((tmp_path / "zoo.json").read_text())) == len(cases)
 
 
+@pytest.mark.slow
 def test_without_a_mask_sdpa_is_left_as_it_is(tmp_path):
     [case] = run(tmp_path, "--families", "gpt2", "--masks", "none")
 
@@ -103,6 +105,7 @@ def test_targets_name_the_families_that_miss_them():
     assert held.splitlines()[1:] == ["- heavy (none): heavy's holders"], held
 
 
+@pytest.mark.slow
 def test_predict_only_prices_each_step_for_a_gpu_without_running_it(tmp_path):
     """``--predict-only``: memopt's decisions and the simulated peaks for a GPU, no step run, no measured
     figure; a decoder above the peak target by the simulation is named with what holds its peak."""

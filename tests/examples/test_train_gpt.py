@@ -18,7 +18,7 @@ TINY = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.isa_sensitive
 def test_demo_rewrites_saves_memory_and_trains_the_same(capsys):
     with loggers_restored("train_gpt", "fxpass"):  # main sets them up as the script does
         result = train_gpt.main(TINY)

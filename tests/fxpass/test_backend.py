@@ -563,7 +563,7 @@ def test_inductor_caches_are_keyed_on_memopt_sources(monkeypatch):
     assert seen.get("post_grad_custom_pre_pass") is SOURCE_KEYED_PASS
 
 
-@pytest.mark.parametrize("sampling", ["traced", "opaque"])
+@pytest.mark.parametrize("sampling", [pytest.param("traced", marks=pytest.mark.slow), "opaque"])
 def test_a_graph_calling_memopt_functions_is_served_from_the_autograd_cache(sampling):
     """With traced sampling the WTA-CRS rule puts ``lowerings.wta_crs.op.sample`` in the graph; the AOTAutograd
     cache would bypass such a graph and trace it again on every start. Marked cacheable (keyed on memopt's

@@ -341,7 +341,11 @@ def _measured_peak(model: torch.nn.Module, backend, batch: dict[str, torch.Tenso
 
 @pytest.mark.parametrize(
     "family, rules, options",
-    [("gpt2", {"cce"}, {}), ("gpt2", {"cce"}, {"cce_variant": "chunked"}), ("llama", {"cce", "attention"}, {})],
+    [
+        pytest.param("gpt2", {"cce"}, {}, marks=pytest.mark.slow),
+        ("gpt2", {"cce"}, {"cce_variant": "chunked"}),
+        pytest.param("llama", {"cce", "attention"}, {}, marks=pytest.mark.slow),
+    ],
     ids=["gpt2-sdpa-returned-logits", "gpt2-chunked-cce", "llama-eager-padded"],
 )
 def test_the_simulated_peak_is_the_compiled_steps_peak(family, rules, options):

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import fxpass
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
 
 SCALE = 0.25
 

@@ -22,7 +22,7 @@ import fxpass
 from fxpass.integrations.transformers import checkpoint_layers
 from tests.helpers import assert_close_all
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
 
 VOCAB, D, T, HEADS = 64, 32, 16, 2
 FAST = {"force": True, "inner_compiler": "aot_eager"}

@@ -13,7 +13,7 @@ import transformers
 
 import fxpass
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
 
 VOCAB, SEQ, BATCH = 384, 12, 2
 FAST = {"force": True, "inner_compiler": "aot_eager"}

@@ -17,7 +17,7 @@ import fxpass
 from tests.helpers import assert_close_all
 
 peft = pytest.importorskip("peft")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
 
 VOCAB, D, RANK, BATCH, SEQ = 64, 32, 4, 2, 16
 FAST = {"force": True, "inner_compiler": "aot_eager"}

@@ -17,7 +17,7 @@ import fxpass
 from examples.gpt import GPT, GPTConfig
 from tests.helpers import assert_close_scaled, max_abs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
 
 CONFIG = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True)
 FAST = {"force": True, "inner_compiler": "aot_eager"}

@@ -14,7 +14,7 @@ import fxpass
 from examples.distributed.train import build_model
 from fxpass.integrations.blocks import HeadLoss, compile_blocks, find_blocks
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.isa_sensitive
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +92,7 @@ def test_find_blocks_by_class_and_path():
         find_blocks(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.slow
 def test_every_block_gets_its_graph_past_dynamo_recompile_limit():
     """Ten blocks with HF's KV cache on: each guards on its own cache layer and compiles a graph of its own.
     ``compile_blocks`` raises Dynamo's limit (8 by default), past which the rest would run eagerly, unrewritten."""

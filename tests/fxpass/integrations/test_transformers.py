@@ -208,8 +208,8 @@ def test_the_backend_name_is_refused_by_accelerate(tmp_path):
 # --- Trainer runs -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.isa_sensitive
+@pytest.mark.parametrize("name", [n if n == "gpt2" else pytest.param(n, marks=pytest.mark.slow) for n in MODELS])
 def test_trainer_matches_plain_training_and_evaluation(name, tmp_path):
     ours = _compare(name, tmp_path)
     graph = _training_graph()
@@ -225,6 +225,7 @@ def test_trainer_matches_plain_training_and_evaluation(name, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bf16_autocast(name, tmp_path):
     """``bf16=True`` on CPU: accelerate wraps ``forward`` in CPU autocast to bf16 over the fp32 weights; the
@@ -243,6 +244,7 @@ def test_bf16_autocast(name, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize("variant", ["auto", "rowwise"])
 def test_gradient_accumulation_keeps_the_sum_then_divide_loss(tmp_path, variant):
     """With ``gradient_accumulation_steps=2`` the Trainer passes ``num_items_in_batch`` and the model's loss is a

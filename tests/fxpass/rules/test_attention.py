@@ -217,6 +217,7 @@ class GraphModule(torch.nn.Module):
         params = _attention_records(ex)[0].params
         assert (params["heads"], params["kv_heads"], params["mask"]) == ("4", "2", "additive bias")
 
+    @pytest.mark.slow
     def test_dropout_is_passed_on(self):
         """Dropout in training mode reaches the op (its draws differ from eager's, so only shapes compare)."""
         q, k, v = _qkv()
@@ -845,6 +846,7 @@ def _hf(name: str):
 
 
 @pytest.mark.slow
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize(
     ("name", "padding", "mask_kind"),
     [("gpt2", False, "causal (flag)"), ("llama", False, "causal (flag)"), ("llama", True, "causal (flag) + key padding"),
@@ -874,6 +876,7 @@ def test_hf_eager_attention_rewritten_in_every_layer(name, padding, mask_kind):
 
 
 @pytest.mark.slow
+@pytest.mark.isa_sensitive
 def test_hf_t5_learned_position_bias_and_causal_decoder():
     """HF T5 with eager attention: encoder, decoder self- and cross-attention all rewritten (the decoder's
     causal mask as a flag beside the learned position bias); loss and every gradient, the relative

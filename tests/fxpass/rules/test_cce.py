@@ -735,6 +735,7 @@ class TestVariant:
         assert re.search(reason, record.params["variant_reason"]), record.params["variant_reason"]
         assert f"torch.ops.memopt.{op}.default(" in after_code(ex)
 
+    @pytest.mark.slow
     def test_auto_weighs_the_variants_against_torch_compile(self):
         """The 3/4 rule on what each variant frees against torch.compile, not on the graph as written: there the
         fp32 log-probabilities eager would keep make the row-wise op look as good as the chunked one (63.2 against
@@ -769,6 +770,7 @@ class TestVariant:
         assert "cce_rowwise" not in code
         torch.testing.assert_close(ex.result, fn(hidden, targets), atol=2e-2, rtol=1e-2)
 
+    @pytest.mark.slow
     def test_auto_serves_returned_logits_with_the_detached_op(self):
         """Decided as for CUDA, with the logits returned after a body that outweighs the head more than 3×: what
         the row-wise op keeps for the backward would sit on the step's peak beside them, so "auto" takes
@@ -784,6 +786,7 @@ class TestVariant:
         call = code[code.index("torch.ops.memopt.cce_with_logits.default(") :]
         assert call[: call.index(")")].endswith(", True"), call  # detach_logits
 
+    @pytest.mark.slow
     def test_auto_serves_head_alone_returned_logits_with_the_rowwise_op(self):
         """The head alone in its graph (FSDP2 compiles each block as a frame of its own): nothing else runs
         beside the detached op's extra GEMM, so "auto" takes the row-wise op, which returns the logits too."""

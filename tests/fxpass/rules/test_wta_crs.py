@@ -130,6 +130,7 @@ class GraphModule(torch.nn.Module):
         sum_1: "f32[]cpu" = add_1.sum();  add_1 = None
         return (sum_1,)""")
 
+    @pytest.mark.slow
     def test_groups_share_one_random_call(self):
         """Every traced group's uniforms are a slice of one ``torch.rand``, so Inductor compiles one random kernel
         for the graph, not one per group: it writes each random call's seed index into its kernel's source."""
@@ -148,6 +149,7 @@ class GraphModule(torch.nn.Module):
         kernels = re.findall(r"^(\w+) = async_compile\.", "\n".join(codes), re.M)
         assert kernels and sum("rand" in name for name in kernels) == 1, kernels
 
+    @pytest.mark.slow
     def test_uniform_slices_start_16_byte_aligned(self):
         """k = 7 uniforms a group (22 tokens): each group's slice starts at a multiple of 4 floats, so every slice
         is 16-byte aligned and the draw kernel, which Triton specializes on its pointers' alignment, compiles
@@ -384,7 +386,7 @@ def test_attention_output_is_kept_by_flash_attention():
     assert any(r.rule == "attention" and r.applied for r in ex.records)
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_no_recompiles_across_batch_sizes(inner):
     """Symbolic token counts reach the sample size, top-k and draws without guards, through Inductor too."""
     block = Block()
@@ -405,7 +407,7 @@ def test_memopt_wta_backend_by_name():
     assert sum(r.applied for r in records) == 3  # q/k/v (one group), fc, proj; o reads the flash op's saved output
 
 
-@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("inner", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_step_saves_the_sample_instead_of_the_inputs(inner):
     """Saved-tensor accounting through the compiled graph (bf16 autocast): the LayerNorm and GELU outputs that
     the two linears saved whole shrink to 30 % of their rows; AOTAutograd's partitioner keeps nothing else."""

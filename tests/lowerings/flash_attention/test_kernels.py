@@ -341,6 +341,7 @@ def test_dropout_backward_uses_the_forward_mask(causal):
     _assert_fp32_close(ours, _reference(q, k, v, bias, grad_out, d**-0.5, causal, keep, p))
 
 
+@pytest.mark.slow
 def test_dropout_is_unbiased():
     """The mean over 256 draws (a stride-0 batch: one problem, a different mask per batch index) is within
     5 standard deviations, computed from the exact probabilities, of the output without dropout."""
