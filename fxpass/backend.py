@@ -8,6 +8,7 @@ both raises "duplicate name" in Dynamo's registry).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 from collections.abc import Callable, Mapping
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxpass import checkpoint, returned_logits
+from fxpass import budget, checkpoint, returned_logits
 from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
 from fxpass.compiled_cost import step_costs
 from fxpass.config import Config, ConfigError
@@ -103,8 +104,15 @@ class MemoptBackend:
         bodies = {region.name: copy_graph(region.body.graph) for region in checkpoint.regions(gm)}
         gm.meta[returned_logits.WRAPPED_KEY] = True  # this backend re-attaches returned logits (returned_logits.py)
         report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
+        if self.config.memory_budget is not None:
+            report.budget = budget.plan_or_note(
+                fx.GraphModule(gm, copy_graph(original)), gm, example_inputs, self.config.memory_budget,
+                self.config.assume_device, self.config.strict,
+            )
         if self.price_steps:
-            report.step = step_costs(fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device)
+            report.step = step_costs(
+                fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device, _recomputation(report)
+            )
         if report.applied and self.config.precompile:  # opaque ops' kernels compile while Inductor compiles
             precompile.start(gm)
         superseded = False
@@ -142,7 +150,7 @@ class MemoptBackend:
         Dynamo's control-flow exceptions (``dynamo_control_flow``) are no failure and pass through. Inductor
         compiles the backward at the first backward call, so a failure there is not caught here."""
         try:
-            return self._compile(gm, example_inputs)
+            return self._compile(gm, example_inputs, _recomputation(report))
         except dynamo_control_flow():
             raise
         except Exception as error:
@@ -158,9 +166,18 @@ class MemoptBackend:
                 body.graph = graph
                 body.recompile()
             gm.recompile()
-            return self._compile(gm, example_inputs)
+            return self._compile(gm, example_inputs, _recomputation(report))
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], setting: float | None = None) -> Callable:
+        """Compile with the inner compiler; ``setting``: the ``activation_memory_budget`` AOTAutograd partitions
+        under (the budget's plan), None for its own."""
+        patch = contextlib.nullcontext() if setting is None else torch._functorch.config.patch(
+            activation_memory_budget=setting
+        )
+        with patch:
+            return self._compile_inner(gm, example_inputs)
+
+    def _compile_inner(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         inner = self.config.inner_compiler
         if inner == "eager":
             return gm.forward
@@ -195,6 +212,12 @@ class MemoptBackend:
         """Called by ``torch._dynamo.reset()``: drop CUDA-graph trees recorded under reduce-overhead."""
         if self._inductor is not None:
             self._inductor.reset()
+
+
+def _recomputation(report: GraphReport) -> float | None:
+    """The ``activation_memory_budget`` the graph's budget plan compiles it under, if any."""
+    plan = report.budget
+    return plan.activation_memory_budget if isinstance(plan, budget.BudgetPlan) else None
 
 
 def memopt_backend(

@@ -27,6 +27,7 @@ saved tensors AOTAutograd donates (neither graph inputs nor returned to the call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import operator
@@ -247,16 +248,24 @@ def _repeat_keys_and_values(graph: fx.Graph, sdpa: fx.Node, groups: int) -> None
     sdpa.kwargs = {**{name: bound[name] for name in SDPA_NAMES[3:]}, "enable_gqa": False}
 
 
-def step_costs(original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None) -> dict[str, Any]:
+def step_costs(
+    original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None, recompute: float | None = None
+) -> dict[str, Any]:
     """A whole captured graph priced as torch.compile runs it, as Dynamo captured it and as memopt rewrote it:
     ``{"torch.compile": CompiledCost, "memopt": CompiledCost}``, or ``{"error": why}`` where the partitioner
     cannot take it. Placeholders are fed their example values; memopt's ops' own kernel buffers are charged at
-    their nodes (``_workspace``). ``device``: as for ``compiled_cost``."""
+    their nodes (``_workspace``). ``device``: as for ``compiled_cost``. ``recompute``: the
+    ``activation_memory_budget`` memopt compiles its graph under (a memory budget's plan, ``fxpass.budget``)."""
     costs: dict[str, Any] = {}
     try:
         for name, gm in (("torch.compile", original), ("memopt", rewritten)):
             values = [_placeholder_value(n) for n in gm.graph.find_nodes(op="placeholder")]
-            costs[name] = compiled_cost(gm, values, device)
+            setting = recompute if name == "memopt" and recompute is not None else None
+            patch = contextlib.nullcontext() if setting is None else torch._functorch.config.patch(
+                activation_memory_budget=setting
+            )
+            with patch:
+                costs[name] = compiled_cost(gm, values, device)
     except Exception as error:  # a graph the partitioner cannot take; the compile itself goes on
         log.debug("memopt could not price a whole graph", exc_info=True)
         return {"error": error_note(error)}

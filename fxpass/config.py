@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,9 @@ ENV_WTA_CRS_SAMPLING = "MEMOPT_WTA_CRS_SAMPLING"
 ENV_ATTENTION_KERNEL = "MEMOPT_ATTENTION_KERNEL"
 ENV_PRECOMPILE = "MEMOPT_PRECOMPILE"
 ENV_PRICING = "MEMOPT_PRICING"
+ENV_MEMORY_BUDGET = "MEMOPT_MEMORY_BUDGET"
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+               "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
 class ConfigError(ValueError):
@@ -102,6 +106,11 @@ class Config:
             PyTorch keeps it, which overstates the saving (CCE at Llama-3's head: 8.3 GiB against the 1.0 GiB
             torch.compile's peak drops by) but costs no tracing at compile time. Checkpointed regions are
             priced as written either way.
+        memory_budget: the most the compiled graph may hold beyond its inputs (as ``fxpass.explain`` counts a
+            step's peak): bytes (``"24GiB"`` or an int) or a fraction in (0, 1] of torch.compile's simulated peak
+            for the graph. Where the exact rewrites leave memopt's simulated peak above it, the graph compiles under
+            the ``activation_memory_budget`` (AOTAutograd's recomputation knapsack) whose simulated peak meets it,
+            or at the lowest peak recomputation reaches (``fxpass/budget.py``). None (default): no budget.
         precompile: compile the Triton kernels that memopt's opaque ops launch at run time (the CCE backward,
             the row-wise CCE, WTA-CRS's draw and store) in a background thread while Inductor compiles the graph,
             instead of at their first launch inside the first step (``lowerings/precompile.py``). CUDA only;
@@ -125,8 +134,11 @@ class Config:
     attention_kernel: str = "auto"
     precompile: bool = True
     pricing: str = "compile"
+    memory_budget: int | float | str | None = None
 
     def __post_init__(self) -> None:
+        if self.memory_budget is not None:  # normalized: bytes (int) or a fraction (float)
+            object.__setattr__(self, "memory_budget", parse_memory_budget(self.memory_budget))
         _check_type("strict", self.strict, bool)
         _check_type("precompile", self.precompile, bool)
         _check_type("force", self.force, bool)
@@ -248,6 +260,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         values["attention_kernel"] = env[ENV_ATTENTION_KERNEL].strip().lower()
     if env.get(ENV_PRICING):
         values["pricing"] = env[ENV_PRICING].strip().lower()
+    if env.get(ENV_MEMORY_BUDGET):
+        values["memory_budget"] = env[ENV_MEMORY_BUDGET]
     if env.get(ENV_INNER):
         values["inner_compiler"] = env[ENV_INNER]
     if env.get(ENV_MIN_SAVED):
@@ -256,6 +270,23 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         except ValueError as e:
             raise ConfigError(f"{ENV_MIN_SAVED} must be an integer, got {env[ENV_MIN_SAVED]!r}") from e
     return values
+
+
+def parse_memory_budget(value: Any) -> int | float:
+    """``memory_budget`` as bytes (an int, or a string such as ``"24GiB"``, ``"512 MiB"``, ``"2e9"``) or as a
+    fraction of torch.compile's simulated peak (a float in (0, 1], or such a string: ``"0.5"``)."""
+    wrong = f"memory_budget must be bytes (an int, '24GiB', '512MiB') or a fraction in (0, 1], got {value!r}"
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        if match is None or match.group(2) not in _BYTE_UNITS:
+            raise ConfigError(wrong)
+        number, unit = float(match.group(1)), match.group(2)
+        return parse_memory_budget(int(number * _BYTE_UNITS[unit]) if unit or number > 1 else number)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    raise ConfigError(wrong)
 
 
 def assumed_device(actual: torch.device, assume: str | None) -> torch.device:

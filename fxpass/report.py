@@ -71,6 +71,9 @@ class GraphReport:
     # the whole graph priced as torch.compile runs it, as captured and as rewritten (fxpass.compiled_cost's
     # step_costs), where the backend was asked to (fxpass.explain)
     step: dict[str, Any] | None = dataclasses.field(default=None, repr=False)
+    # the memory budget's plan (fxpass.budget.BudgetPlan: str() summarizes, to_json()), or a note saying why none
+    # was made, where a budget was asked for
+    budget: Any = None
 
     def step_summary(self) -> str | None:
         """The graph's saved-for-backward bytes and peak under torch.compile and under memopt, one line."""
@@ -141,6 +144,7 @@ class GraphReport:
             "graph": self.graph_id,
             "torch": torch.__version__,
             "rewrites": [r.to_json() for r in self.records],
+            **({} if self.budget is None else {"budget": _budget_json(self.budget)}),
         }
 
     def table(self) -> str:
@@ -166,6 +170,8 @@ class GraphReport:
         )
         step = self.step_summary()
         head = head + (f"\n{step}" if step else "")
+        if self.budget is not None:
+            head += f"\n{self.budget}"
         return head + ("\n\n" + self.table() if self.records else "")
 
     def to_markdown(self) -> str:
@@ -254,6 +260,10 @@ def tracing_enabled() -> bool:
         return False
     handler = getattr(_internal, "LOG_TRACE_HANDLER", None)
     return handler in _internal.trace_log.handlers and getattr(handler, "root_dir", None) is not None
+
+
+def _budget_json(budget: Any) -> dict[str, Any]:
+    return budget.to_json() if hasattr(budget, "to_json") else {"note": str(budget)}
 
 
 def publish(report: GraphReport, debug_dir: str | None) -> None:

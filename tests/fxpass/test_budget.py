@@ -1,0 +1,182 @@
+"""``memory_budget``: the graph compiles under the recomputation setting whose simulated peak meets the budget;
+recomputation changes no numbers; a budget out of reach is reported, never raised; the plan adds no guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fxpass
+from fxpass import budget
+from fxpass.config import Config, ConfigError, parse_memory_budget
+
+MiB = 1 << 20
+
+
+class MLP(nn.Module):
+    """Residual GELU MLP blocks: each saves its [N, 4D] activations for the backward, which recomputation can
+    drop (the GELU's input and output)."""
+
+    def __init__(self, width: int = 64, blocks: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x).tanh()
+        return x.pow(2).mean()
+
+
+def _step(model: nn.Module, compiled, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """One forward and backward: the loss, the parameters' gradients, and the bytes saved for the backward
+    (counted by a pack hook, each storage once)."""
+    model.zero_grad(set_to_none=True)
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = compiled(x)
+    loss.backward()
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    saved = sum(size for pointer, size in storages.items() if pointer not in parameters)
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], saved
+
+
+def _compiled(model: nn.Module, **options):
+    return torch.compile(model, backend=fxpass.MemoptBackend(options={"inner_compiler": "aot_eager", **options}))
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("24GiB", 24 << 30), ("512 MiB", 512 * MiB), ("2e9", 2_000_000_000), ("1.5 GB", 1_500_000_000),
+     ("0.5", 0.5), ("1", 1.0), (0.35, 0.35), (4096, 4096)],
+)
+def test_a_budget_is_bytes_or_a_fraction(text, value):
+    parsed = parse_memory_budget(text)
+    assert parsed == value and type(parsed) is type(value)
+
+
+@pytest.mark.parametrize("wrong", [0, -1, 1.5, 0.0, "lots", "3 parsecs", True, None, "-1GiB"])
+def test_a_wrong_budget_is_refused_with_its_value(wrong):
+    with pytest.raises(ConfigError, match="memory_budget must be bytes"):
+        parse_memory_budget(wrong)
+
+
+def test_the_environment_names_a_budget():
+    assert Config.from_options(env={"MEMOPT_MEMORY_BUDGET": "8GiB"}).memory_budget == 8 << 30
+    assert Config.from_options({"memory_budget": 0.5}, env={"MEMOPT_MEMORY_BUDGET": "8GiB"}).memory_budget == 0.5
+    assert Config.from_options(env={}).memory_budget is None
+
+
+def test_search_takes_the_largest_setting_within_the_budget():
+    curve = lambda setting: int(100 + 900 * setting)  # noqa: E731  (peak rises with the setting)
+    setting, peak, met = budget.search(curve, 500)
+    assert met and peak <= 500 and 500 - 900 * budget.RESOLUTION <= peak
+    assert setting == pytest.approx(400 / 900, abs=budget.RESOLUTION)
+
+
+def test_search_does_not_assume_recomputing_everything_is_lowest():
+    # recomputing every activation brings them back together at the backward's start: 0.0 is no lower than 1.0
+    curve = {1.0: 1000, 0.75: 900, 0.5: 700, 0.25: 800, 0.0: 1000}
+    seen = []
+
+    def peak_at(setting):
+        seen.append(setting)
+        return curve.get(setting, 750 if setting > 0.5 else 720)
+
+    assert budget.search(peak_at, 600) == (0.5, 700, False)  # out of reach: the lowest peak's setting
+    setting, peak, met = budget.search(peak_at, 760)
+    assert met and peak <= 760 and 0.5 < setting < 0.75
+    assert len(seen) <= 2 * (len(budget.GRID) + 6)
+
+
+def test_a_fraction_of_torch_compiles_peak_is_met_by_recomputation_with_the_same_numbers():
+    model, x = MLP(), torch.randn(512, 64)
+    expected_loss, expected_grads, _ = _step(model, model, x)
+    _, _, saved_without = _step(model, _compiled(model), x)
+    torch._dynamo.reset()
+    loss, grads, saved = _step(model, _compiled(model, memory_budget=0.6), x)
+
+    plan = fxpass.reports()[-1].budget
+    assert isinstance(plan, budget.BudgetPlan), plan
+    assert plan.met and plan.budget == int(0.6 * plan.torch_compile)
+    assert plan.after <= plan.budget < plan.before
+    assert plan.activation_memory_budget is not None and 0 <= plan.activation_memory_budget < 1
+    assert saved < 0.7 * saved_without, (saved, saved_without)  # the compiled step saves less, as simulated
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_budget_the_exact_rewrites_meet_adds_nothing():
+    model, x = MLP(), torch.randn(512, 64)
+    _step(model, _compiled(model, memory_budget=1.0), x)
+    plan = fxpass.reports()[-1].budget
+    assert (plan.met, plan.activation_memory_budget, plan.after) == (True, None, plan.before)
+    assert plan.reason == "the exact rewrites meet it"
+
+
+def test_a_budget_out_of_reach_is_reported_not_raised():
+    model, x = MLP(), torch.randn(512, 64)
+    expected_loss, _, _ = _step(model, model, x)
+    loss, _, _ = _step(model, _compiled(model, memory_budget=4096), x)  # 4 KiB: no partition reaches it
+    report = fxpass.reports()[-1]
+    plan = report.budget
+    assert not plan.met and plan.reason.startswith("not met: the lowest peak recomputation reaches is")
+    assert plan.budget == 4096 < plan.after < plan.before
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-7)
+    assert "memory budget 0.0 MiB: recomputation at activation_memory_budget=" in report.summary()
+    assert json.loads(json.dumps(report.to_json()))["budget"]["met"] is False
+
+
+def test_the_plan_adds_no_guard_and_no_recompile():
+    model = MLP()
+    compiled = _compiled(model, memory_budget=0.6)
+    for rows in (512, 384, 256):
+        x = torch.randn(rows, 64)
+        torch._dynamo.mark_dynamic(x, 0)
+        _step(model, compiled, x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    [report] = fxpass.reports()
+    assert report.budget.met
+
+
+@pytest.mark.slow
+@pytest.mark.isa_sensitive
+def test_through_inductor_the_measured_peak_follows_the_plan():
+    """Compiled by Inductor on CPU, the budgeted step's measured peak is the simulated one within 15 % and below
+    the unbudgeted step's, and its numbers are the unbudgeted step's."""
+    from benchmarks._common import cpu_peak
+
+    model, x = MLP(width=128), torch.randn(1024, 128)
+    peaks, results = {}, {}
+    for name, options in (("memopt", {}), ("budget", {"memory_budget": 0.6})):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=fxpass.MemoptBackend(options=options))
+        _step(model, compiled, x)  # compile, and the first call's one-off buffers
+        results[name], peaks[name] = cpu_peak(lambda compiled=compiled: _step(model, compiled, x))
+    plan = fxpass.reports()[-1].budget
+    assert plan.met and plan.activation_memory_budget is not None
+    assert peaks["budget"] < 0.8 * peaks["memopt"], peaks
+    assert plan.after == pytest.approx(peaks["budget"], rel=0.15), (plan, peaks)
+    torch.testing.assert_close(results["budget"][0], results["memopt"][0], rtol=1e-5, atol=1e-6)
+    for grad, expected in zip(results["budget"][1], results["memopt"][1], strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_explain_prices_the_planned_step_from_a_laptop():
+    model, x = MLP(), torch.randn(512, 64)
+    ex = fxpass.explain(model, x, options={"memory_budget": 0.6}, assume_device="cuda", execute=False)
+    [graph] = ex.graphs
+    plan = graph.budget
+    assert plan.met and plan.activation_memory_budget is not None
+    assert ex.peak_bytes() == {"torch.compile": plan.torch_compile, "memopt": plan.after}
+    assert "met by recomputation" in str(ex)
