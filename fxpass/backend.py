@@ -111,7 +111,7 @@ class MemoptBackend:
             )
         if self.price_steps:
             report.step = step_costs(
-                fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device, _recomputation(report)
+                fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device, _setting(report)
             )
         if report.applied and self.config.precompile:  # opaque ops' kernels compile while Inductor compiles
             precompile.start(gm)
@@ -150,7 +150,8 @@ class MemoptBackend:
         Dynamo's control-flow exceptions (``dynamo_control_flow``) are no failure and pass through. Inductor
         compiles the backward at the first backward call, so a failure there is not caught here."""
         try:
-            return self._compile(gm, example_inputs, _recomputation(report))
+            with _recomputation(report):
+                return self._compile(gm, example_inputs)
         except dynamo_control_flow():
             raise
         except Exception as error:
@@ -166,18 +167,10 @@ class MemoptBackend:
                 body.graph = graph
                 body.recompile()
             gm.recompile()
-            return self._compile(gm, example_inputs, _recomputation(report))
+            with _recomputation(report):
+                return self._compile(gm, example_inputs)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any], setting: float | None = None) -> Callable:
-        """Compile with the inner compiler; ``setting``: the ``activation_memory_budget`` AOTAutograd partitions
-        under (the budget's plan), None for its own."""
-        patch = contextlib.nullcontext() if setting is None else torch._functorch.config.patch(
-            activation_memory_budget=setting
-        )
-        with patch:
-            return self._compile_inner(gm, example_inputs)
-
-    def _compile_inner(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable:
         inner = self.config.inner_compiler
         if inner == "eager":
             return gm.forward
@@ -214,10 +207,19 @@ class MemoptBackend:
             self._inductor.reset()
 
 
-def _recomputation(report: GraphReport) -> float | None:
+def _setting(report: GraphReport) -> float | None:
     """The ``activation_memory_budget`` the graph's budget plan compiles it under, if any."""
     plan = report.budget
     return plan.activation_memory_budget if isinstance(plan, budget.BudgetPlan) else None
+
+
+def _recomputation(report: GraphReport) -> contextlib.AbstractContextManager:
+    """AOTAutograd's partitioner set to the budget plan's recomputation while the graph compiles (it partitions
+    inside the compile call, and the setting is part of its cache key)."""
+    setting = _setting(report)
+    if setting is None:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(activation_memory_budget=setting)
 
 
 def memopt_backend(

@@ -15,7 +15,6 @@ TINY = ["--device", "cpu", "--steps", "2", "--batch-size", "8", "--seq-len", "25
 
 
 @pytest.mark.slow
-@pytest.mark.isa_sensitive
 def test_example_rewrites_the_loss_and_trains_the_same(capsys):
     outcome = finetune_hf.main(TINY)
     printed = capsys.readouterr().out

@@ -30,7 +30,7 @@ import fxpass
 from fxpass.rules.attention import SDPA_FUSED
 from tests.helpers import assert_close_all, grads
 
-pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
+pytestmark = pytest.mark.slow
 
 VOCAB, T, WINDOW, SOFTCAP = 384, 12, 4, 2.0
 OPTIONS = {"force": True, "strict": True, "inner_compiler": "aot_eager", "disable": "cce"}

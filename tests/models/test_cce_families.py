@@ -28,7 +28,7 @@ import transformers
 import fxpass
 from fxpass.integrations.transformers import compile_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
+pytestmark = pytest.mark.slow
 
 VOCAB, SEQ, BATCH, LAYERS = 384, 12, 2, 2
 COMMON: dict[str, Any] = dict(

@@ -19,7 +19,7 @@ import fxpass
 from tests.fxpass.rules.test_attention import square_tensors
 from tests.helpers import assert_close_all, grads, rewritten
 
-pytestmark = [pytest.mark.slow, pytest.mark.isa_sensitive]
+pytestmark = pytest.mark.slow
 
 VOCAB, T = 384, 12
 OPTIONS = {"disable": "cce"}  # the attention rewrite alone; the logits are returned and compared
