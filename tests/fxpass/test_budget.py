@@ -79,7 +79,7 @@ def test_the_environment_names_a_budget():
 def test_search_takes_the_largest_setting_within_the_budget():
     curve = lambda setting: int(100 + 900 * setting)  # noqa: E731  (peak rises with the setting)
     setting, peak, met = budget.search(curve, 500)
-    assert met and peak <= 500 and 500 - 900 * budget.RESOLUTION <= peak
+    assert met and 500 - 900 * budget.RESOLUTION <= peak <= 500
     assert setting == pytest.approx(400 / 900, abs=budget.RESOLUTION)
 
 

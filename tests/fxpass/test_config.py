@@ -47,7 +47,7 @@ class TestDefaults:
         assert set(Config.option_names()) == {
             "inner_compiler", "debug_dir", "disable", "strict", "min_saved_bytes", "force", "wta_crs_budget",
             "wta_crs_min_tokens", "wta_crs_max_us_per_mib", "wta_crs_winners", "wta_crs_sampling", "cce_filter_eps", "assume_device",
-            "cce_variant", "attention_kernel", "precompile", "pricing",
+            "cce_variant", "attention_kernel", "precompile", "pricing", "memory_budget",
         }
 
     def test_wta_crs_sampling(self):
