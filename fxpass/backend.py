@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from fxpass import budget, checkpoint, returned_logits
 from fxpass.cache import SOURCE_KEYED_PASS, cacheable_functions
-from fxpass.compiled_cost import step_costs
+from fxpass.compiled_cost import partitioned_under, step_costs
 from fxpass.config import Config, ConfigError
 from fxpass.graph import copy_graph
 from fxpass.notes import error_note
@@ -214,12 +214,8 @@ def _setting(report: GraphReport) -> float | None:
 
 
 def _recomputation(report: GraphReport) -> contextlib.AbstractContextManager:
-    """AOTAutograd's partitioner set to the budget plan's recomputation while the graph compiles (it partitions
-    inside the compile call, and the setting is part of its cache key)."""
-    setting = _setting(report)
-    if setting is None:
-        return contextlib.nullcontext()
-    return torch._functorch.config.patch(activation_memory_budget=setting)
+    """The budget plan's recomputation while the graph compiles (AOTAutograd partitions inside the call)."""
+    return partitioned_under(_setting(report))
 
 
 def memopt_backend(

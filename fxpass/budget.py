@@ -22,11 +22,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from fxpass import shapes
-from fxpass.compiled_cost import CompiledCost, compiled_cost
+from fxpass.compiled_cost import CompiledCost, compiled_cost, partitioned_under
 from fxpass.notes import error_note
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def graph_peak(cost: CompiledCost) -> int:
 
 def peak_under(gm: fx.GraphModule, example_inputs: Sequence[Any], device: str | None, setting: float) -> int:
     """The graph's simulated peak when AOTAutograd partitions it under ``activation_memory_budget=setting``."""
-    with torch._functorch.config.patch(activation_memory_budget=setting):
+    with partitioned_under(setting):
         return graph_peak(compiled_cost(gm, list(example_inputs), device))
 
 

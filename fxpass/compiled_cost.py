@@ -248,6 +248,14 @@ def _repeat_keys_and_values(graph: fx.Graph, sdpa: fx.Node, groups: int) -> None
     sdpa.kwargs = {**{name: bound[name] for name in SDPA_NAMES[3:]}, "enable_gqa": False}
 
 
+def partitioned_under(setting: float | None) -> contextlib.AbstractContextManager:
+    """AOTAutograd's partitioner set to recompute at ``activation_memory_budget=setting`` (None: its own): read
+    while a graph is partitioned, and part of AOTAutograd's cache key."""
+    if setting is None:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(activation_memory_budget=setting)
+
+
 def step_costs(
     original: fx.GraphModule, rewritten: fx.GraphModule, device: str | None = None, recompute: float | None = None
 ) -> dict[str, Any]:
@@ -260,11 +268,7 @@ def step_costs(
     try:
         for name, gm in (("torch.compile", original), ("memopt", rewritten)):
             values = [_placeholder_value(n) for n in gm.graph.find_nodes(op="placeholder")]
-            setting = recompute if name == "memopt" and recompute is not None else None
-            patch = contextlib.nullcontext() if setting is None else torch._functorch.config.patch(
-                activation_memory_budget=setting
-            )
-            with patch:
+            with partitioned_under(recompute if name == "memopt" else None):
                 costs[name] = compiled_cost(gm, values, device)
     except Exception as error:  # a graph the partitioner cannot take; the compile itself goes on
         log.debug("memopt could not price a whole graph", exc_info=True)
