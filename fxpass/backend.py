@@ -109,6 +109,7 @@ class MemoptBackend:
                 fx.GraphModule(gm, copy_graph(original)), gm, example_inputs, self.config.memory_budget,
                 self.config.assume_device, self.config.strict,
             )
+            budget.apply(gm, report.budget)
         if self.price_steps:
             report.step = step_costs(
                 fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device, _setting(report)
@@ -167,6 +168,7 @@ class MemoptBackend:
                 body.graph = graph
                 body.recompile()
             gm.recompile()
+            budget.apply(gm, report.budget)
             with _recomputation(report):
                 return self._compile(gm, example_inputs)
 

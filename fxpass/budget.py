@@ -1,37 +1,67 @@
 """Fitting a compiled graph into a memory budget (the ``memory_budget`` option) by recomputation.
 
-AOTAutograd's min-cut partitioner already knows how to trade recomputation for memory: under
-``torch._functorch.config.activation_memory_budget`` (a fraction of the activations its default partition saves)
-a knapsack picks the activations to recompute in the backward, cheapest recompute FLOPs first, and the setting is
-part of AOTAutograd's cache key. What it lacks is a number a user can choose: a fraction of saved activations is
-not a peak in bytes. memopt simulates the partitioned graph on fake tensors (``fxpass.compiled_cost``, the step
-simulation ``fxpass.explain`` prints), so it searches the setting whose simulated peak meets the budget and
-compiles under it. Nothing is partitioned by memopt itself, and the search runs in a shape environment of its own:
-it adds no guard to the user's graph.
+memopt simulates the partitioned graph on fake tensors (``fxpass.compiled_cost``, the step simulation
+``fxpass.explain`` prints), so it can search, before anything runs, for the recomputation whose simulated peak
+meets a budget, and compile under it. The recomputation itself is torch's: AOTAutograd's min-cut partitioner
+decides what the backward recomputes; memopt only chooses what to ask of it, in two forms.
+
+- **Its knapsack.** ``torch._functorch.config.activation_memory_budget`` (a fraction of the activations the
+  default partition saves; part of AOTAutograd's cache key) has the partitioner recompute the activations with
+  the fewest FLOPs per byte first. Pointwise work goes first, GEMM outputs last: at a real depth the setting that
+  reaches a low peak recomputes every block's forward at the start of the backward, all at once (the Llama-3.2-1B
+  shape at 4×2048 simulated at 0.53× torch.compile's peak at best, and higher at 0.0).
+- **Whole blocks, as ``torch.utils.checkpoint`` would.** The nodes of a repeated block (a ``ModuleList``'s
+  children: decoder layers) are tagged ``CheckpointPolicy.MUST_RECOMPUTE`` with an ``ac_graph_id`` of their own,
+  the tags Dynamo's checkpoint regions carry; the partitioner's ``cleanup_recompute_tags`` then keeps each block's
+  output, read by the next block, and the backward recomputes one block at a time. A node read by untagged work is
+  tagged ``MUST_SAVE``: the boundary is kept, not recomputed twice. Tags are node meta, which AOTAutograd's cache
+  key leaves out, so the graph module carries a digest of them (``PLAN_ATTRIBUTE``, hashed with its ``__dict__``).
+
+Each form is priced by the same simulation; where both meet the budget, the plan takes the one whose recomputed
+FLOPs (torch's flop counter over the partitioned backward, ``CompiledCost.backward_flops``) are fewer. A graph with
+checkpointed regions of its own (HF's gradient checkpointing) gets no block tags: its blocks are recomputed
+already. The search runs in a shape environment of its own and tags nodes after Dynamo has built its guards: it
+adds no guard to the user's graph.
 
 The budget is the graph's own peak beyond its inputs (parameters, buffers, the batch), as ``fxpass.explain``
 and the benchmarks count it, with returned tensors held through the backward: in bytes, or as a fraction of
-torch.compile's simulated peak for the same graph. Decided at the example shapes; at other shapes the same
-setting recomputes the same share of the activations.
+torch.compile's simulated peak for the same graph. It is decided at the example shapes; at other shapes the same
+blocks are recomputed and the setting recomputes the same share of the activations.
+
+A step of several graphs (graph breaks, blocks compiled one by one) is planned graph by graph, each at the budget
+as given: a fraction holds each graph to that fraction of torch.compile's peak for it, which holds the step to it
+too where the graphs' saved tensors add up (blocks compiled one by one save theirs one after another), so a
+fraction is the way to give a budget to such a step. A budget in bytes is each graph's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
-from fxpass import shapes
-from fxpass.compiled_cost import CompiledCost, compiled_cost, partitioned_under
+from fxpass import checkpoint, shapes
+from fxpass.compiled_cost import CompiledCost, _module_path, compiled_cost, partitioned_under
+from fxpass.graph import copy_graph
 from fxpass.notes import error_note
 
 log = logging.getLogger(__name__)
 
 # The search stops when the setting is known to within this (AOTAutograd's knapsack rounds it anyway).
 RESOLUTION = 1 / 64
+# The graph module's attribute holding a digest of the recomputation tags: AOTAutograd's cache key hashes the
+# module's ``__dict__`` but not its nodes' meta, so without it a tagged graph would hit an untagged one's entry.
+PLAN_ATTRIBUTE = "_memopt_recompute_plan"
+# The ids memopt's block tags start from (Dynamo numbers its own checkpoint regions from 1).
+AC_GRAPH_ID_BASE = 1 << 20
+WHOLE_GRAPH = "the whole graph"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,22 +73,51 @@ class BudgetPlan:
     torch_compile: int  # torch.compile's simulated peak for the graph
     before: int  # memopt's simulated peak with the exact rewrites alone
     after: int  # with the plan
-    activation_memory_budget: float | None  # the setting compiled under; None: nothing added
+    activation_memory_budget: float | None  # the setting compiled under; None: the partitioner's own
     met: bool
     reason: str
+    recomputed_blocks: tuple[str, ...] = ()  # blocks tagged for recomputation, by module path
+    blocks: int = 0  # repeated blocks the graph has
+    added_flops: int = 0  # the modelled cost: FLOPs the backward recomputes beyond the exact rewrites'
+    step_flops: int = 0  # the graph's forward and backward FLOPs with the exact rewrites alone
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def measures(self) -> list[str]:
+        """Each measure the plan adds, in words."""
+        added = []
+        if self.recomputed_blocks:
+            added.append(f"recompute {_blocks_text(self.recomputed_blocks)} ({len(self.recomputed_blocks)} of "
+                         f"{max(self.blocks, len(self.recomputed_blocks))} blocks)")
+        if self.activation_memory_budget is not None:
+            added.append(f"recomputation at activation_memory_budget={self.activation_memory_budget:g}")
+        return added
+
     def __str__(self) -> str:
-        setting = ("nothing added" if self.activation_memory_budget is None
-                   else f"recomputation at activation_memory_budget={self.activation_memory_budget:g}")
+        setting = " and ".join(self.measures) or "nothing added"
+        cost = ""
+        if self.added_flops:
+            share = f", {100 * self.added_flops / self.step_flops:.0f} % of the step's" if self.step_flops else ""
+            cost = f"; +{self.added_flops / 1e9:.1f} GFLOP recomputed{share}"
         return (f"memory budget {_mib(self.budget)}: {setting}; simulated peak {_mib(self.before)} → "
-                f"{_mib(self.after)} (torch.compile {_mib(self.torch_compile)}); {self.reason}")
+                f"{_mib(self.after)} (torch.compile {_mib(self.torch_compile)}){cost}; {self.reason}")
 
 
 def _mib(value: int) -> str:
     return f"{value / 2**20:.1f} MiB"
+
+
+def _blocks_text(names: Sequence[str]) -> str:
+    """"model.layers.0–11" for consecutive children of one container, else the names."""
+    if len(names) > 1:
+        parts = [re.fullmatch(r"(.*)\.(\d+)", name) for name in names]
+        if all(parts) and len({part[1] for part in parts}) == 1:
+            indices = [int(part[2]) for part in parts]
+            if indices == list(range(indices[0], indices[0] + len(indices))):
+                return f"{parts[0][1]}.{indices[0]}–{indices[-1]}"
+    return ", ".join(names)
 
 
 def graph_peak(cost: CompiledCost) -> int:
@@ -68,31 +127,108 @@ def graph_peak(cost: CompiledCost) -> int:
     return max(hints["forward_peak"], hints["backward_peak"] + shapes.hint(cost.returned))
 
 
+def blocks(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """The graph's repeated blocks, in order: the nodes run inside each child of the module container with the
+    most numbered children, all of one class (a ``ModuleList`` of decoder layers: "model.layers.0", ...), read
+    from Dynamo's ``nn_module_stack``; {} where no container has two."""
+    found: dict[str, dict[int, list[fx.Node]]] = {}
+    kinds: dict[str, set[Any]] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        for path, kind in (node.meta.get("nn_module_stack") or {}).values():
+            match = re.fullmatch(r"(.*)\.(\d+)", _module_path(path))
+            if match:  # the outermost numbered module the node runs in
+                found.setdefault(match[1], {}).setdefault(int(match[2]), []).append(node)
+                kinds.setdefault(match[1], set()).add(kind)
+                break
+    # repeated blocks are children of one kind (a Sequential's Linear, GELU, Linear are not)
+    repeated = [name for name in found if len(found[name]) >= 2 and len(kinds[name]) == 1]
+    if not repeated:
+        return {}
+    container = max(repeated, key=lambda name: len(found[name]))
+    return {f"{container}.{index}": nodes for index, nodes in sorted(found[container].items())}
+
+
+def _candidates(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """What block recomputation may tag: the repeated blocks, else the graph's whole forward as one."""
+    found = blocks(graph)
+    if found:
+        return found
+    work = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return {WHOLE_GRAPH: work} if work else {}
+
+
+def tag_blocks(gm: fx.GraphModule, names: Sequence[str]) -> None:
+    """Tag the nodes of the blocks ``names`` of ``gm`` for recomputation, as ``torch.utils.checkpoint`` tags a
+    region's (module docstring), and key the module's compiled artifacts on the tags (``PLAN_ATTRIBUTE``)."""
+    if not names:
+        return
+    found = _candidates(gm.graph)
+    tagged = {node: index for index, name in enumerate(names) for node in found[name]}
+    for node, index in tagged.items():
+        # a value read by untagged work (the next block, the head, the output) is the boundary the region keeps
+        boundary = any(user not in tagged for user in node.users)
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if boundary else CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["ac_graph_id"] = AC_GRAPH_ID_BASE + index
+    setattr(gm, PLAN_ATTRIBUTE, hashlib.sha256("\n".join(names).encode()).hexdigest()[:16])
+
+
+def apply(gm: fx.GraphModule, plan: BudgetPlan | str | None) -> None:
+    """Carry ``plan``'s block tags onto ``gm`` before it compiles (the setting is patched around the call)."""
+    if isinstance(plan, BudgetPlan):
+        tag_blocks(gm, plan.recomputed_blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Priced:
+    peak: int
+    flops: int
+
+
+def _price(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], device: str | None, setting: float, names: Sequence[str]
+) -> _Priced:
+    """The graph's simulated peak and FLOPs when the blocks ``names`` are recomputed and AOTAutograd partitions
+    it under ``activation_memory_budget=setting``."""
+    module = gm
+    if names:
+        module = fx.GraphModule(gm, copy_graph(gm.graph))
+        tag_blocks(module, names)
+    with partitioned_under(setting):
+        cost = compiled_cost(module, list(example_inputs), device)
+    return _Priced(graph_peak(cost), shapes.hint(cost.forward_flops) + shapes.hint(cost.backward_flops))
+
+
 def peak_under(gm: fx.GraphModule, example_inputs: Sequence[Any], device: str | None, setting: float) -> int:
     """The graph's simulated peak when AOTAutograd partitions it under ``activation_memory_budget=setting``."""
-    with partitioned_under(setting):
-        return graph_peak(compiled_cost(gm, list(example_inputs), device))
+    return _price(gm, example_inputs, device, setting, ()).peak
 
 
 # The settings tried first; the search then bisects between the largest that meets the budget and the next above.
 GRID = (1.0, 0.75, 0.5, 0.25, 0.0)
+# Where the graph has blocks to recompute, the settings below these recompute GEMM outputs across the whole graph
+# at once, and block recomputation does better at fewer FLOPs: they are not tried.
+GRID_WITH_BLOCKS = (1.0, 0.75, 0.5)
 
 
-def search(peak_at: Callable[[float], int], budget: int, resolution: float = RESOLUTION) -> tuple[float, int, bool]:
+def search(
+    peak_at: Callable[[float], int], budget: int, resolution: float = RESOLUTION, grid: Sequence[float] = GRID,
+) -> tuple[float, int, bool]:
     """The setting to compile under, its simulated peak, and whether that meets ``budget``: the largest setting
     in [0, 1] found within the budget (fewest activations recomputed), else the one with the lowest peak.
 
     The peak does not always fall with the setting: recomputing every activation can bring them all back at once
     at the start of the backward (a small MLP's simulated peak at 0.0 was its peak at 1.0, at 0.5 0.73× it). So
-    the settings of ``GRID`` are tried first, then the interval above the largest one within the budget is
+    the settings of ``grid`` are tried first, then the interval above the largest one within the budget is
     bisected to ``resolution``."""
-    peaks = {setting: peak_at(setting) for setting in GRID}
-    within = [setting for setting in GRID if peaks[setting] <= budget]
+    peaks = {setting: peak_at(setting) for setting in grid}
+    within = [setting for setting in grid if peaks[setting] <= budget]
     if not within:
-        lowest = min(GRID, key=lambda setting: (peaks[setting], -setting))
+        lowest = min(grid, key=lambda setting: (peaks[setting], -setting))
         return lowest, peaks[lowest], False
     low = max(within)
-    high = min((setting for setting in GRID if setting > low), default=low)
+    high = min((setting for setting in grid if setting > low), default=low)
     while high - low > resolution:
         middle = (low + high) / 2
         peaks[middle] = peak_at(middle)
@@ -100,38 +236,79 @@ def search(peak_at: Callable[[float], int], budget: int, resolution: float = RES
     return low, peaks[low], True
 
 
+def fewest_blocks(peak_of: Callable[[int], int], count: int, before: int, budget: int) -> int | None:
+    """The fewest of ``count`` blocks whose recomputation brings the peak (``peak_of(k)``, ``peak_of(0)`` being
+    ``before``) within ``budget``; None where all of them do not. Each recomputed block frees about the same
+    bytes, so the count is interpolated from all of them, then stepped to where k meets it and k - 1 does not."""
+    every = peak_of(count)
+    if every > budget:
+        return None
+    freed = max(before - every, 1)
+    blocks_needed = min(max(math.ceil(count * (before - budget) / freed), 1), count)
+    while True:
+        if peak_of(blocks_needed) <= budget:
+            if blocks_needed == 1 or peak_of(blocks_needed - 1) > budget:
+                return blocks_needed
+            blocks_needed -= 1
+        else:
+            blocks_needed += 1
+
+
 def plan(
     original: fx.GraphModule, rewritten: fx.GraphModule, example_inputs: Sequence[Any], requested: int | float,
     device: str | None = None,
 ) -> BudgetPlan:
     """Price the graph as torch.compile and as memopt compile it; where memopt's simulated peak is over the
-    budget, find the recomputation setting that brings it within, or the lowest peak recomputation reaches."""
+    budget, find the recomputation that brings it within at the fewest recomputed FLOPs, or the lowest peak
+    recomputation reaches."""
     torch_compile = peak_under(original, example_inputs, device, 1.0)
     budget = int(requested * torch_compile) if isinstance(requested, float) else requested
-    before = peak_under(rewritten, example_inputs, device, 1.0)
+    priced: dict[tuple[float, tuple[str, ...]], _Priced] = {}
 
-    def done(setting: float | None, after: int, met: bool, reason: str) -> BudgetPlan:
-        return BudgetPlan(requested, budget, torch_compile, before, after, setting, met, reason)
+    def price(setting: float, names: Sequence[str] = ()) -> _Priced:
+        key = (setting, tuple(names))
+        if key not in priced:
+            priced[key] = _price(rewritten, example_inputs, device, setting, names)
+        return priced[key]
+
+    start = price(1.0)
+    before = start.peak
+    found = [] if checkpoint.regions(rewritten) else list(_candidates(rewritten.graph))
+    count = len(found) if found != [WHOLE_GRAPH] else 0
+
+    def done(key: tuple[float, tuple[str, ...]], met: bool, reason: str) -> BudgetPlan:
+        setting, names = key
+        return BudgetPlan(
+            requested, budget, torch_compile, before, priced[key].peak, None if setting == 1.0 else setting, met,
+            reason, names, count, max(priced[key].flops - start.flops, 0), start.flops,
+        )
 
     if before <= budget:
-        return done(None, before, True, "the exact rewrites meet it")
-    cache = {1.0: before}
-
-    def peak_at(setting: float) -> int:
-        if setting not in cache:
-            cache[setting] = peak_under(rewritten, example_inputs, device, setting)
-        return cache[setting]
-
-    setting, after, met = search(peak_at, budget)
+        return done((1.0, ()), True, "the exact rewrites meet it")
+    met: list[tuple[float, tuple[str, ...]]] = []
+    grid = GRID_WITH_BLOCKS if count else GRID
+    setting, _, within = search(lambda value: price(value).peak, budget, grid=grid)
+    if within:
+        met.append((setting, ()))
+    if found:
+        fewest = fewest_blocks(lambda k: price(1.0, found[:k]).peak, len(found), before, budget)
+        if fewest is not None:
+            met.append((1.0, tuple(found[:fewest])))
+        else:  # every block recomputed and the knapsack on what is left
+            for value in GRID[2:]:
+                price(value, found)
     if met:
-        return done(setting, after, True, "met by recomputation")
-    if after >= before:
-        return done(None, before, False, (
+        best = min(met, key=lambda key: (priced[key].flops, -priced[key].peak))
+        how = "block recomputation" if best[1] else "the partitioner's knapsack"
+        return done(best, True, f"met by {how}")
+    lowest = min(priced, key=lambda key: (priced[key].peak, priced[key].flops))
+    if priced[lowest].peak >= before:
+        return done((1.0, ()), False, (
             f"not met: recomputation does not lower the simulated peak ({_mib(before - budget)} over); nothing "
             "added"))
-    return done(setting, after, False, (
-        f"not met: the lowest peak recomputation reaches is {_mib(after)}, {_mib(after - budget)} over; compiled "
-        "at that setting"))
+    return done(lowest, False, (
+        f"not met: the lowest peak recomputation reaches is {_mib(priced[lowest].peak)}, "
+        f"{_mib(priced[lowest].peak - budget)} over; compiled with that"))
 
 
 def plan_or_note(

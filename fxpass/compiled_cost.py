@@ -70,6 +70,10 @@ class CompiledCost:
     returned_largest: str = ""
     # the most an op of the piece allocates inside its kernels while it runs (``_workspace``), for the report
     workspace: IntLike = 0
+    # floating-point operations of each partitioned graph, as torch's flop counter counts them (its GEMMs,
+    # convolutions and attention; pointwise work is free there): recomputation shows as backward FLOPs
+    forward_flops: IntLike = 0
+    backward_flops: IntLike = 0
 
     @property
     def peak(self) -> IntLike:
@@ -158,7 +162,8 @@ def compiled_cost(
         inside = _workspaces(graphs["forward"], device_type)
         peak, holders = _peak(graphs["forward"], set(), outputs_from=0, gpu=gpu, inside=inside)
         return CompiledCost(0, _to_graph(peak, back, target_env), 0, forward_holders=holders,
-                            workspace=_to_graph(_largest(inside), back, target_env))
+                            workspace=_to_graph(_largest(inside), back, target_env),
+                            forward_flops=_to_graph(_flops(graphs["forward"]), back, target_env))
     forward, backward = graphs["forward"], graphs["backward"]
     saved_nodes = _saved_nodes(forward, backward)
     primals = [_storage(n) for n in forward.graph.find_nodes(op="placeholder")]  # None for a SymInt input
@@ -193,7 +198,23 @@ def compiled_cost(
         _to_graph(backward_peak, back, target_env), described, saved_inputs, forward_holders, backward_holders,
         _to_graph(returned, back, target_env), returned_largest,
         _to_graph(_largest({**forward_inside, **backward_inside}), back, target_env),
+        _to_graph(_flops(forward), back, target_env), _to_graph(_flops(backward), back, target_env),
     )
+
+
+def _flops(gm: fx.GraphModule) -> IntLike:
+    """The graph's FLOPs by torch's own formulas (``torch.utils.flop_counter``), read from its nodes' fake values
+    instead of running it; ops it has no formula for count nothing."""
+    from torch.utils.flop_counter import flop_registry
+
+    total: IntLike = 0
+    for node in gm.graph.nodes:
+        formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+        if node.op != "call_function" or formula is None or "val" not in node.meta:
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+        total = total + formula(*args, **kwargs, out_val=node.meta["val"])
+    return total
 
 
 # ``F.scaled_dot_product_attention(..., enable_gqa=True)`` with fewer key/value heads than query heads: on CUDA
@@ -418,8 +439,9 @@ def _provenance(node: fx.Node) -> str:
 
 
 def _module_path(path: str) -> str:
-    """Dynamo's module path without its root ("L['self'].model.layers[1].mlp" → "model.layers.1.mlp")."""
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    """Dynamo's module path without its root, a local or a global ("L['self'].model.layers[1].mlp" →
+    "model.layers.1.mlp")."""
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 
