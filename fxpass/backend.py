@@ -110,7 +110,9 @@ class MemoptBackend:
                 self.config.assume_device, self.config.strict,
             )
             budget.apply(gm, report.budget)
-        if self.price_steps:
+        if self.price_steps and isinstance(report.budget, budget.BudgetPlan):
+            report.step = report.budget.costs  # priced as the plan compiles it, by the plan's own search
+        elif self.price_steps:
             report.step = step_costs(
                 fx.GraphModule(gm, copy_graph(original)), gm, self.config.assume_device, _setting(report)
             )

@@ -80,9 +80,12 @@ class BudgetPlan:
     blocks: int = 0  # repeated blocks the graph has
     added_flops: int = 0  # the modelled cost: FLOPs the backward recomputes beyond the exact rewrites'
     step_flops: int = 0  # the graph's forward and backward FLOPs with the exact rewrites alone
+    # the simulations the plan chose from, as ``step_costs`` gives them: {"torch.compile": CompiledCost, "memopt":
+    # CompiledCost under the plan}, so that pricing the step again (``explain``) costs nothing
+    costs: dict[str, CompiledCost] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "costs"}
 
     @property
     def measures(self) -> list[str]:
@@ -184,6 +187,7 @@ def apply(gm: fx.GraphModule, plan: BudgetPlan | str | None) -> None:
 class _Priced:
     peak: int
     flops: int
+    cost: CompiledCost
 
 
 def _price(
@@ -197,7 +201,7 @@ def _price(
         tag_blocks(module, names)
     with partitioned_under(setting):
         cost = compiled_cost(module, list(example_inputs), device)
-    return _Priced(graph_peak(cost), shapes.hint(cost.forward_flops) + shapes.hint(cost.backward_flops))
+    return _Priced(graph_peak(cost), shapes.hint(cost.forward_flops) + shapes.hint(cost.backward_flops), cost)
 
 
 def peak_under(gm: fx.GraphModule, example_inputs: Sequence[Any], device: str | None, setting: float) -> int:
@@ -261,7 +265,8 @@ def plan(
     """Price the graph as torch.compile and as memopt compile it; where memopt's simulated peak is over the
     budget, find the recomputation that brings it within at the fewest recomputed FLOPs, or the lowest peak
     recomputation reaches."""
-    torch_compile = peak_under(original, example_inputs, device, 1.0)
+    baseline = _price(original, example_inputs, device, 1.0, ())
+    torch_compile = baseline.peak
     budget = int(requested * torch_compile) if isinstance(requested, float) else requested
     priced: dict[tuple[float, tuple[str, ...]], _Priced] = {}
 
@@ -281,6 +286,7 @@ def plan(
         return BudgetPlan(
             requested, budget, torch_compile, before, priced[key].peak, None if setting == 1.0 else setting, met,
             reason, names, count, max(priced[key].flops - start.flops, 0), start.flops,
+            {"torch.compile": baseline.cost, "memopt": priced[key].cost},
         )
 
     if before <= budget:
