@@ -39,6 +39,8 @@ gradient checkpointing (``e2e.build_model(checkpointing=True)``) and Liger's pat
 (``liger_kernel.transformers.apply_liger_kernel_to_llama(model=...)``; ``liger`` runs the patched model eager, as
 Liger is used with HF's Trainer, ``liger+compile`` compiles it). Configurations of one group, the activation
 budgets, share one row of the table: the best, by tokens/s at its largest batch; the JSON file keeps all of them.
+``memopt+budget`` is ``memory_budget=0.5``; ``memopt+fit`` gives memopt the cap itself, in bytes, less the weights,
+their gradients and a tenth for fragmentation (``CAP``), the budget of a user who fills the card.
 ``--memopt-config 'NAME={"option": value}'`` adds a memopt configuration by its options. A memopt option that
 fxpass rejects makes the row "not available (unknown memopt option ...)" rather than a failure, and so does Liger
 where it has no patch for the model (GPT-2) or is not installed.
@@ -91,7 +93,11 @@ PROBES = {"gpt2": (4, 8), "llama-1b": (2, 4)}  # small enough to run under any c
 TITLES = {"gpt2": "GPT-2", "llama-1b": "Llama"}
 LIGER_PATCHES = {"llama-1b": "apply_liger_kernel_to_llama"}
 BASELINE = "torch.compile"
-CUT_SHORT = "cut short by the time limit"  # a trial the time limit ended: no result, never recorded
+CUT_SHORT = "cut short by the time limit"
+# ``memory_budget=CAP`` (the ``memopt+fit`` row): the trial's cap less the weights, their gradients and a tenth of
+# the cap for the allocator's fragmentation, in bytes: the budget a user who fills the card would give
+CAP = "cap"
+FRAGMENTATION = 0.1  # a trial the time limit ended: no result, never recorded
 
 
 @dataclasses.dataclass
@@ -125,6 +131,7 @@ def known_configurations() -> dict[str, Configuration]:
         Configuration("memopt+wta", compiler="memopt", options={"wta_crs_budget": 0.3}),
         Configuration("memopt+budget", compiler="memopt", options={"memory_budget": 0.5}),
         Configuration("memopt+budget+wta", compiler="memopt", options={"memory_budget": 0.5, "wta_crs_budget": 0.3}),
+        Configuration("memopt+fit", compiler="memopt", options={"memory_budget": CAP}),
     ]
     return {configuration.name: configuration for configuration in found}
 
@@ -132,7 +139,7 @@ def known_configurations() -> dict[str, Configuration]:
 CONFIGURATIONS = known_configurations()
 DEFAULT_CONFIGS = (
     "torch.compile,torch.compile+checkpointing,torch.compile+budget0.7,torch.compile+budget0.5,"
-    "torch.compile+budget0.3,liger,memopt,memopt+budget,memopt+budget+wta,memopt+wta"
+    "torch.compile+budget0.3,liger,memopt,memopt+budget,memopt+fit,memopt+budget+wta,memopt+wta"
 )
 
 
@@ -156,6 +163,8 @@ def unavailable(configuration: Configuration, model: str, memopt_options: Mappin
         from fxpass import Config, ConfigError, MemoptBackend
 
         options = {**memopt_options, **configuration.options}
+        if options.get("memory_budget") == CAP:
+            options["memory_budget"] = 0.5  # resolved in the trial; the check needs a value
         try:
             MemoptBackend(options=options)  # fxpass's own check of the keys and values
         except ConfigError as error:
@@ -253,12 +262,23 @@ def build_step(spec: TrialSpec, device: torch.device) -> tuple[Callable[[], torc
             return model(input_ids=ids, labels=labels, attention_mask=mask).loss
     else:
         backend = "memopt" if configuration.compiler == "memopt" else "torch.compile"
-        options = {**spec.memopt_options, **configuration.options}
+        options = resolved_options({**spec.memopt_options, **configuration.options}, spec, model, device)
         step = e2e.compiled_step(model, spec.flow, backend, spec.inner, options)
     if configuration.activation_budget is not None:
         step = under_activation_budget(step, configuration.activation_budget)
     row = e2e.Row(spec.model, "sdpa", spec.dropout, spec.flow, configuration.name, spec.batch * spec.seq)
     return e2e.training_step(model, step, batch, device, spec.precision == "autocast"), row
+
+
+def resolved_options(options: dict, spec: TrialSpec, model: torch.nn.Module, device: torch.device) -> dict:
+    """``options`` with ``memory_budget=CAP`` in bytes (``CAP``); on CPU, where there is no cap, 0.5."""
+    if options.get("memory_budget") != CAP:
+        return options
+    if device.type != "cuda":
+        return {**options, "memory_budget": 0.5}
+    cap = cap_bytes(spec.cap, torch.cuda.get_device_properties(device).total_memory)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {**options, "memory_budget": max(int(cap * (1 - FRAGMENTATION)) - 2 * weights, 1)}
 
 
 def under_activation_budget(step: Callable, budget: float) -> Callable:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import max_batch
 from benchmarks.max_batch import Configuration, Trial, next_batch, outcome, search, table, unavailable
@@ -234,3 +235,13 @@ def test_a_trial_cut_by_the_time_limit_leaves_no_result(tmp_path, monkeypatch):
         "stopped by the time limit: 4 ran, nothing larger tried; the line through the largest two predicts 12"
     )
     assert rows["memopt"].note == "not measured (time limit)"
+
+
+def test_the_fit_row_gives_memopt_the_cap_less_the_weights():
+    model = torch.nn.Linear(8, 8)
+    spec = max_batch.TrialSpec("gpt2", "loss_only", "card", {}, 1, 8, device="cpu")
+    options = {"memory_budget": max_batch.CAP, "force": True}
+    assert max_batch.resolved_options(options, spec, model, torch.device("cpu")) == {"memory_budget": 0.5,
+                                                                                     "force": True}
+    assert max_batch.resolved_options({"force": True}, spec, model, torch.device("cpu")) == {"force": True}
+    assert unavailable(max_batch.CONFIGURATIONS["memopt+fit"], "llama-1b", {}) is None
