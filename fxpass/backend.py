@@ -9,6 +9,7 @@ both raises "duplicate name" in Dynamo's registry).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import logging
 from collections.abc import Callable, Mapping
@@ -23,8 +24,9 @@ from fxpass.compiled_cost import partitioned_under, step_costs
 from fxpass.config import Config, ConfigError
 from fxpass.graph import copy_graph
 from fxpass.notes import error_note
-from fxpass.report import GraphReport, publish, tracing_enabled
+from fxpass.report import GraphReport, RewriteRecord, publish, tracing_enabled
 from fxpass.rewrite import rewrite_graph, undone, warn_once
+from fxpass.rules.wta_crs import HOW_TO_ENABLE
 from lowerings import precompile
 
 log = logging.getLogger(__name__)
@@ -103,13 +105,10 @@ class MemoptBackend:
         original = copy_graph(gm.graph)
         bodies = {region.name: copy_graph(region.body.graph) for region in checkpoint.regions(gm)}
         gm.meta[returned_logits.WRAPPED_KEY] = True  # this backend re-attaches returned logits (returned_logits.py)
-        report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
         if self.config.memory_budget is not None:
-            report.budget = budget.plan_or_note(
-                fx.GraphModule(gm, copy_graph(original)), gm, example_inputs, self.config.memory_budget,
-                self.config.assume_device, self.config.strict,
-            )
-            budget.apply(gm, report.budget)
+            report = self._fit(gm, original, example_inputs, keep_code, bodies)
+        else:
+            report = rewrite_graph(gm, self.config, keep_code=keep_code, example_inputs=example_inputs)
         if self.price_steps and isinstance(report.budget, budget.BudgetPlan):
             report.step = report.budget.costs  # priced as the plan compiles it, by the plan's own search
         elif self.price_steps:
@@ -132,6 +131,46 @@ class MemoptBackend:
         finally:
             if not superseded:
                 self._publish(report, gm)
+
+    def _fit(
+        self, gm: fx.GraphModule, original: fx.Graph, example_inputs: list[Any], keep_code: bool,
+        bodies: Mapping[str, fx.Graph],
+    ) -> GraphReport:
+        """Rewrite ``gm`` and plan its memory budget (``fxpass.budget``). Where the user opted into WTA-CRS
+        (``wta_crs_budget``), its sampled weight gradients are a measure like recomputation: left out where the
+        exact rewrites meet the budget alone; otherwise the graph with them is planned too, and taken where it
+        meets the budget at fewer recomputed FLOPs than the exact graph (sampling costs no time), or reaches a lower
+        peak where neither meets it. Graphs with checkpointed regions keep WTA-CRS as its option says (inside a
+        region it declines anyway)."""
+        config = self.config
+        approximate = config.wta_crs_budget is not None and not bodies
+        exact = dataclasses.replace(config, wta_crs_budget=None) if approximate else config
+        report = self._rewrite_and_plan(gm, original, exact, example_inputs, keep_code)
+        plan = report.budget
+        if approximate and isinstance(plan, budget.BudgetPlan) and not (plan.met and not plan.measures):
+            gm.graph = copy_graph(original)
+            sampled = self._rewrite_and_plan(gm, original, config, example_inputs, keep_code)
+            if _sampling_is_better(sampled, plan):
+                sampled.budget = budget.with_wta_crs(sampled.budget, plan, sampled.records)
+                budget.apply(gm, sampled.budget)
+                return sampled
+            gm.graph = copy_graph(original)  # the exact graph and its plan again
+            report = self._rewrite_and_plan(gm, original, exact, example_inputs, keep_code)
+        if approximate:
+            met = isinstance(report.budget, budget.BudgetPlan) and report.budget.met
+            report.records = [_not_needed(record, met) for record in report.records]
+        budget.apply(gm, report.budget)
+        return report
+
+    def _rewrite_and_plan(
+        self, gm: fx.GraphModule, original: fx.Graph, config: Config, example_inputs: list[Any], keep_code: bool
+    ) -> GraphReport:
+        report = rewrite_graph(gm, config, keep_code=keep_code, example_inputs=example_inputs)
+        report.budget = budget.plan_or_note(
+            fx.GraphModule(gm, copy_graph(original)), gm, example_inputs, config.memory_budget, config.assume_device,
+            config.strict,
+        )
+        return report
 
     def _publish(self, report: GraphReport, gm: fx.GraphModule) -> None:
         if self.sink is not None:
@@ -209,6 +248,26 @@ class MemoptBackend:
         """Called by ``torch._dynamo.reset()``: drop CUDA-graph trees recorded under reduce-overhead."""
         if self._inductor is not None:
             self._inductor.reset()
+
+
+def _sampling_is_better(sampled: GraphReport, exact: budget.BudgetPlan) -> bool:
+    """Whether the graph with WTA-CRS linears fits its budget better than the exact graph: it meets the budget
+    at fewer recomputed FLOPs (or where the exact one does not), or neither meets it and it reaches lower."""
+    plan = sampled.budget
+    if not isinstance(plan, budget.BudgetPlan) or not any(r.rule == "wta_crs" and r.applied for r in sampled.records):
+        return False
+    if plan.met:
+        return not exact.met or plan.added_flops < exact.added_flops
+    return not exact.met and plan.after < exact.after
+
+
+def _not_needed(record: RewriteRecord, met: bool) -> RewriteRecord:
+    """A WTA-CRS record of the exact graph, saying why sampling was left out although the user opted in."""
+    if record.rule != "wta_crs" or record.applied or not record.reason.startswith(HOW_TO_ENABLE):
+        return record
+    why = ("exact measures meet the memory budget at no more recomputation" if met
+           else "the memory budget is not met, and sampling would not lower the simulated peak")
+    return dataclasses.replace(record, reason=f"WTA-CRS opted in but not used: {why} (memory_budget decides)")
 
 
 def _setting(report: GraphReport) -> float | None:

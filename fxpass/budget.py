@@ -80,6 +80,10 @@ class BudgetPlan:
     blocks: int = 0  # repeated blocks the graph has
     added_flops: int = 0  # the modelled cost: FLOPs the backward recomputes beyond the exact rewrites'
     step_flops: int = 0  # the graph's forward and backward FLOPs with the exact rewrites alone
+    # WTA-CRS linears added where exact measures fell short (the user opted in with ``wta_crs_budget``), and
+    # the lowest simulated peak the exact measures reached
+    wta_crs_linears: int = 0
+    exact_after: int | None = None
     # the simulations the plan chose from, as ``step_costs`` gives them: {"torch.compile": CompiledCost, "memopt":
     # CompiledCost under the plan}, so that pricing the step again (``explain``) costs nothing
     costs: dict[str, CompiledCost] = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -96,6 +100,9 @@ class BudgetPlan:
                          f"{max(self.blocks, len(self.recomputed_blocks))} blocks)")
         if self.activation_memory_budget is not None:
             added.append(f"recomputation at activation_memory_budget={self.activation_memory_budget:g}")
+        if self.wta_crs_linears:
+            added.append(f"WTA-CRS on {self.wta_crs_linears} linears (exact measures reached "
+                         f"{_mib(self.exact_after or 0)})")
         return added
 
     def __str__(self) -> str:
@@ -286,7 +293,7 @@ def plan(
         return BudgetPlan(
             requested, budget, torch_compile, before, priced[key].peak, None if setting == 1.0 else setting, met,
             reason, names, count, max(priced[key].flops - start.flops, 0), start.flops,
-            {"torch.compile": baseline.cost, "memopt": priced[key].cost},
+            costs={"torch.compile": baseline.cost, "memopt": priced[key].cost},
         )
 
     if before <= budget:
@@ -315,6 +322,17 @@ def plan(
     return done(lowest, False, (
         f"not met: the lowest peak recomputation reaches is {_mib(priced[lowest].peak)}, "
         f"{_mib(priced[lowest].peak - budget)} over; compiled with that"))
+
+
+def with_wta_crs(sampled: BudgetPlan, exact: BudgetPlan, records: Sequence[Any]) -> BudgetPlan:
+    """The plan of the graph with WTA-CRS linears, told against the exact graph's: its ``before`` is the exact
+    rewrites' peak, and it names the linears sampled and the lowest peak the exact measures reached."""
+    linears = sum(1 for record in records if record.rule == "wta_crs" and record.applied)
+    how = "met with WTA-CRS" if sampled.met else sampled.reason
+    return dataclasses.replace(
+        sampled, before=exact.before, wta_crs_linears=linears, exact_after=exact.after, reason=how,
+        torch_compile=exact.torch_compile,
+    )
 
 
 def plan_or_note(
