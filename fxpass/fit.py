@@ -30,13 +30,8 @@ a quadratic, padding and chunks this takes 4-7 explains; a staircase with no slo
 it asks for, probes included; the explains run for another configuration are read for free); a result cut
 short says so in its ``note``, as does one where a size below it does not fit (the peak is not monotone there).
 
-**Fresh frames.** Dynamo keeps each compile's cache entry on the code object of the frame it compiled, and
-``explain`` compiles anew on every call. Explains of one function at nine sizes (with ``dynamic=False``, one entry
-per size) pass Dynamo's ``recompile_limit`` (8): from then on Dynamo runs that function eagerly, so an explain
-captures no graph and reports a peak of 0, silently, and so would the user's own ``torch.compile`` of the same
-function afterwards. Each explain here therefore compiles a fresh wrapper whose code object is its own: the
-entries go with it, and nothing the user compiled is touched (``torch._dynamo.reset()`` would have cleared the
-user's compiled code too). ``dynamic=False``: at a second size Dynamo would otherwise compile the batch
+**Fresh frames.** Every explain compiles a fresh wrapper of the step (``fxpass.explain``), so explains at many
+sizes never pass Dynamo's ``recompile_limit`` on the user's code. ``dynamic=False``: at a second size Dynamo would otherwise compile the batch
 dimension as a symbol (automatic dynamic shapes); the peaks come out the same, as hints, but the symbolic
 compile took several times longer.
 
@@ -194,7 +189,7 @@ class _Simulator:
             raise ValueError(f"make_call({size}) must return (fn, args, kwargs), got {type(call).__name__}")
         fn, args, kwargs = call if len(call) == 3 else (*call, {})
         explanation = explain(
-            _fresh_frame(fn), *args, options=self.options, assume_device=self.assume_device, dynamic=False,
+            fn, *args, options=self.options, assume_device=self.assume_device, dynamic=False,
             fullgraph=self.fullgraph, execute=False, **kwargs,
         )
         if not explanation.graphs:
@@ -372,14 +367,3 @@ def _input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
-
-
-def _fresh_frame(fn: Callable) -> Callable:
-    """``fn`` behind a wrapper whose code object is new: Dynamo's cache entries for this explain attach to it and
-    go with it, not to ``fn``'s own code (the module docstring's "Fresh frames")."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    call.__code__ = call.__code__.replace()
-    return call
