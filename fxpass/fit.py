@@ -31,9 +31,9 @@ it asks for, probes included; the explains run for another configuration are rea
 short says so in its ``note``, as does one where a size below it does not fit (the peak is not monotone there).
 
 **Fresh frames.** Every explain compiles a fresh wrapper of the step (``fxpass.explain``), so explains at many
-sizes never pass Dynamo's ``recompile_limit`` on the user's code. ``dynamic=False``: at a second size Dynamo would otherwise compile the batch
-dimension as a symbol (automatic dynamic shapes); the peaks come out the same, as hints, but the symbolic
-compile took several times longer.
+sizes never pass Dynamo's ``recompile_limit`` on the user's code. ``dynamic=False``: at a second size Dynamo
+would otherwise compile the batch dimension as a symbol (automatic dynamic shapes); the peaks come out the same,
+as hints, but the symbolic compile took several times longer.
 
 Only the first graph is seen (``explain(execute=False)``): a step with a graph break before its backward is
 priced up to the break; ``fullgraph=True`` makes such a break an error instead of a smaller answer.
