@@ -40,10 +40,12 @@ import dataclasses
 import hashlib
 import logging
 import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -177,11 +179,77 @@ def tag_blocks(gm: fx.GraphModule, names: Sequence[str]) -> None:
     found = _candidates(gm.graph)
     tagged = {node: index for index, name in enumerate(names) for node in found[name]}
     for node, index in tagged.items():
-        # a value read by untagged work (the next block, the head, the output) is the boundary the region keeps
+        # a value read by untagged work (the next block, the head, the output) is the boundary the region keeps;
+        # a random draw is kept too: drawn again in the backward it would differ from the forward's
         boundary = any(user not in tagged for user in node.users)
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if boundary else CheckpointPolicy.MUST_RECOMPUTE
+        keep = boundary or draws_randomly(node)
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
         node.meta["ac_graph_id"] = AC_GRAPH_ID_BASE + index
     setattr(gm, PLAN_ATTRIBUTE, hashlib.sha256("\n".join(names).encode()).hexdigest()[:16])
+
+
+# Dynamo's spellings of random draws. Recomputed under Inductor, a dropout's mask came out different from the
+# forward's (GPT-2 with dropout 0.1, 4 blocks recomputed: gradients off by 0.06, where torch's own checkpointing
+# of the same blocks matched): Inductor's random-seed pass gives the recomputed draw seeds of its own.
+_RANDOM_FUNCTIONS = frozenset({
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.dropout, torch.bernoulli, torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.randperm, torch.normal, torch.poisson, torch.multinomial,
+})
+_RANDOM_METHODS = frozenset({
+    "bernoulli", "bernoulli_", "uniform_", "normal_", "exponential_", "random_", "geometric_", "log_normal_",
+    "cauchy_",
+})
+
+
+# The knapsack is left out of a graph that draws random numbers: under Inductor on CPU (torch 2.13), GPT-2 with
+# SDPA's attention dropout at activation_memory_budget=0.5, torch.compile alone, gave gradients 0.008 off the
+# unbudgeted step's, where the masks should have been the forward's.
+RANDOM_NOTE = (
+    "; the partitioner's knapsack left out: the graph draws random numbers, which it recomputed differently "
+    "(SDPA's dropout under Inductor)"
+)
+
+
+def draws_randomly(node: fx.Node) -> bool:
+    """Whether ``node`` draws from torch's generator (a dropout, ``torch.rand``), or is one of memopt's ops that
+    draws inside (attention with dropout, whose seed it draws; WTA-CRS's opaque sampling). WTA-CRS's linears are
+    not: they sample rows by uniform numbers drawn apart (``torch.rand``), which are kept."""
+    if node.op == "call_method":
+        return node.target in _RANDOM_METHODS
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _RANDOM_FUNCTIONS:
+        return True
+    if target is torch.nn.functional.scaled_dot_product_attention:
+        probability = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return not isinstance(probability, (int, float)) or probability > 0
+    if target is operator.getitem:  # a result of a draw is kept with it
+        return isinstance(node.args[0], fx.Node) and draws_randomly(node.args[0])
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if target.namespace == "memopt":
+            name = target.__name__.split(".")[0]
+            return name in ("wta_crs_sample", "wta_crs_draw") or (name == "flash_attention" and _dropout(node) > 0)
+        return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+    return False
+
+
+def _samples_rows(node: fx.Node) -> bool:
+    """Whether ``node`` is a draw only WTA-CRS's linears read (their rows' uniform numbers): drawn again, it gives
+    another unbiased sample, not a wrong gradient, so it does not keep the knapsack out."""
+    readers = [user.target for user in node.users]
+    return bool(readers) and all(
+        isinstance(target, torch._ops.OpOverload) and target.namespace == "memopt"
+        and target.__name__.startswith("wta_crs") for target in readers
+    )
+
+
+def _dropout(node: fx.Node) -> float:
+    """memopt's attention op's ``dropout_p`` (its seventh argument)."""
+    value = node.kwargs.get("dropout_p", node.args[6] if len(node.args) > 6 else 0.0)
+    return value if isinstance(value, (int, float)) else 1.0  # a traced probability: assume it draws
 
 
 def apply(gm: fx.GraphModule, plan: BudgetPlan | str | None) -> None:
@@ -301,29 +369,32 @@ def plan(
     if before <= budget:
         return done((1.0, ()), True, "the exact rewrites meet it")
     met: list[tuple[float, tuple[str, ...]]] = []
-    grid, resolution = (GRID_WITH_BLOCKS, RESOLUTION_WITH_BLOCKS) if count else (GRID, RESOLUTION)
-    setting, _, within = search(lambda value: price(value).peak, budget, resolution, grid)
-    if within:
-        met.append((setting, ()))
+    knapsack = not any(draws_randomly(node) and not _samples_rows(node) for node in rewritten.graph.nodes)
+    note = "" if knapsack else RANDOM_NOTE
+    if knapsack:
+        grid, resolution = (GRID_WITH_BLOCKS, RESOLUTION_WITH_BLOCKS) if count else (GRID, RESOLUTION)
+        setting, _, within = search(lambda value: price(value).peak, budget, resolution, grid)
+        if within:
+            met.append((setting, ()))
     if found:
         fewest = fewest_blocks(lambda k: price(1.0, found[:k]).peak, len(found), before, budget)
         if fewest is not None:
             met.append((1.0, tuple(found[:fewest])))
-        else:  # every block recomputed and the knapsack on what is left
+        elif knapsack:  # every block recomputed and the knapsack on what is left
             for value in GRID[2:]:
                 price(value, found)
     if met:
         best = min(met, key=lambda key: (priced[key].flops, -priced[key].peak))
         how = "block recomputation" if best[1] else "the partitioner's knapsack"
-        return done(best, True, f"met by {how}")
+        return done(best, True, f"met by {how}{note}")
     lowest = min(priced, key=lambda key: (priced[key].peak, priced[key].flops))
     if priced[lowest].peak >= before:
         return done((1.0, ()), False, (
             f"not met: recomputation does not lower the simulated peak ({_mib(before - budget)} over); nothing "
-            "added"))
+            f"added{note}"))
     return done(lowest, False, (
         f"not met: the lowest peak recomputation reaches is {_mib(priced[lowest].peak)}, "
-        f"{_mib(priced[lowest].peak - budget)} over; compiled with that"))
+        f"{_mib(priced[lowest].peak - budget)} over; compiled with that{note}"))
 
 
 def with_wta_crs(sampled: BudgetPlan, exact: BudgetPlan, records: Sequence[Any]) -> BudgetPlan:
