@@ -94,27 +94,13 @@ def explain(
     if assume_device is not None:
         options["assume_device"] = assume_device
     backend = MemoptBackend(options=options, sink=graphs.append, keep_code=True, price_steps=price_steps)
-    compiled = torch.compile(_fresh_frame(fn), backend=backend if execute else _stopping(backend), dynamic=dynamic,
+    compiled = torch.compile(fn, backend=backend if execute else _stopping(backend), dynamic=dynamic,
                              fullgraph=fullgraph)
     try:
         result = compiled(*args, **kwargs)
     except _Stopped:
         result = None
     return Explanation(graphs, result)
-
-
-def _fresh_frame(fn: Callable) -> Callable:
-    """``fn`` behind a wrapper whose code object is new. Dynamo keeps a compile's cache entry on the code object
-    of the frame it compiled, and every explain compiles anew: explains of one function at nine shapes would pass
-    Dynamo's ``recompile_limit`` (8), after which Dynamo runs that code eagerly, so an explain would capture no
-    graph and the user's own ``torch.compile`` of it would silently stay uncompiled. The wrapper's entries go
-    with it."""
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    call.__code__ = call.__code__.replace()
-    return call
 
 
 class _Stopped(Exception):

@@ -30,10 +30,13 @@ a quadratic, padding and chunks this takes 4-7 explains; a staircase with no slo
 it asks for, probes included; the explains run for another configuration are read for free); a result cut
 short says so in its ``note``, as does one where a size below it does not fit (the peak is not monotone there).
 
-**Fresh frames.** Every explain compiles a fresh wrapper of the step (``fxpass.explain``), so explains at many
-sizes never pass Dynamo's ``recompile_limit`` on the user's code. ``dynamic=False``: at a second size Dynamo
-would otherwise compile the batch dimension as a symbol (automatic dynamic shapes); the peaks come out the same,
-as hints, but the symbolic compile took several times longer.
+**Fresh frames.** Dynamo keeps each compile's cache entry on the code object of the frame it compiled, and
+``explain`` compiles anew on every call: explains of one function at nine sizes would pass Dynamo's
+``recompile_limit`` (8), after which Dynamo runs that code eagerly, so an explain would capture no graph (a
+peak of 0, silently) and the user's own ``torch.compile`` of it would stay uncompiled. Each explain here
+compiles a fresh wrapper whose code object is its own, and its entries go with it. ``dynamic=False``: at a
+second size Dynamo would otherwise compile the batch dimension as a symbol (automatic dynamic shapes); the peaks
+come out the same, as hints, but the symbolic compile took several times longer.
 
 Only the first graph is seen (``explain(execute=False)``): a step with a graph break before its backward is
 priced up to the break; ``fullgraph=True`` makes such a break an error instead of a smaller answer.
@@ -189,7 +192,7 @@ class _Simulator:
             raise ValueError(f"make_call({size}) must return (fn, args, kwargs), got {type(call).__name__}")
         fn, args, kwargs = call if len(call) == 3 else (*call, {})
         explanation = explain(
-            fn, *args, options=self.options, assume_device=self.assume_device, dynamic=False,
+            _fresh_frame(fn), *args, options=self.options, assume_device=self.assume_device, dynamic=False,
             fullgraph=self.fullgraph, execute=False, **kwargs,
         )
         if not explanation.graphs:
@@ -367,3 +370,13 @@ def _input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+def _fresh_frame(fn: Callable) -> Callable:
+    """``fn`` behind a wrapper whose code object is new (the module docstring's "Fresh frames")."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()
+    return call
