@@ -116,6 +116,13 @@ class ViewKind(enum.Enum):
 
 _CAST_METHODS = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
 
+# Copies as Dynamo records them when written as functions rather than methods (``torch.clone(x)``, an ATen overload
+# called directly); ``x.contiguous()``, ``x.clone()`` and ``torch.Tensor.contiguous(x)`` arrive as method calls.
+CONTIGUOUS_TARGETS: tuple[Any, ...] = (torch.Tensor.contiguous, torch.ops.aten.contiguous.default)
+COPY_TARGETS: tuple[Any, ...] = (
+    torch.clone, torch.Tensor.clone, torch.ops.aten.clone.default, *CONTIGUOUS_TARGETS,
+)
+
 
 def view_kind(node: fx.Node) -> ViewKind | None:
     """How ``node`` relates its output to its first input, if it only moves or casts values."""
@@ -132,9 +139,24 @@ def view_kind(node: fx.Node) -> ViewKind | None:
     if node.op == "call_function":
         if node.target in (torch.reshape, torch.flatten):
             return ViewKind.RESHAPE
+        if node.target in COPY_TARGETS:
+            return ViewKind.COPY
         if node.target is operator.getitem and tensor_value(node.args[0]) is not None:
             return ViewKind.INDEX
     return None
+
+
+def copy_memory_format(node: fx.Node) -> torch.memory_format | None:
+    """The memory format a copy (``view_kind`` COPY) promises its result, or None where it keeps its input's
+    layout or is no copy: ``contiguous`` promises ``torch.contiguous_format`` unless told another; ``clone``
+    preserves the layout unless told one. A rule that stands a tensor of its own making in for the copy knows
+    from it whether that tensor's layout is the one promised."""
+    if view_kind(node) is not ViewKind.COPY:
+        return None
+    contiguous = is_method(node, "contiguous") or is_call(node, *CONTIGUOUS_TARGETS)
+    named = node.kwargs.get("memory_format", node.args[1] if len(node.args) > 1 else None)
+    form = named if named is not None else (torch.contiguous_format if contiguous else torch.preserve_format)
+    return None if form is torch.preserve_format else form
 
 
 def _is_dtype_only_conversion(node: fx.Node) -> bool:

@@ -36,6 +36,7 @@ from fxpass.graph import (
     ViewKind,
     bind_args,
     cast_to,
+    copy_memory_format,
     describe_node,
     erase_unused,
     fake_mode_of,
@@ -117,8 +118,9 @@ class CceMatch:
 
     @property
     def transform_logits(self) -> bool:
-        """Whether the op returns the logits scaled and softcapped, as the loss sees them."""
-        return self.returns_logits and self.head is not None and self.head is not self.classifier
+        """Whether the op returns the logits scaled and softcapped, as the loss sees them: the head is the last
+        transform or a copy of it (``_servable_heads``), not the classifier's output or a copy of that."""
+        return self.returns_logits and self.head is not None and _is_transformed(self, self.head)
 
     @property
     def nodes(self) -> tuple[fx.Node, ...]:
@@ -649,8 +651,10 @@ def _escape(candidate: CceMatch, facts: GraphFacts) -> tuple[str | None, fx.Node
             return _unservable_use(candidate, node, user), None
     used = {node for node, _ in outside}
     if len(used) > 1:
+        transformed = {_is_transformed(candidate, node) for node in used}
+        where = "both before and after their transform" if len(transformed) > 1 else "as copies of one another"
         return (
-            "the logits are used outside the loss both before and after their transform ("
+            f"the logits are used outside the loss {where} ("
             f"{', '.join(sorted(node.name for node in used))}); memopt's ops return one of them"
         ), None
     (head,) = used
@@ -671,22 +675,44 @@ def _escape(candidate: CceMatch, facts: GraphFacts) -> tuple[str | None, fx.Node
 
 
 def _servable_heads(candidate: CceMatch) -> tuple[fx.Node, ...]:
-    """The nodes whose uses outside the loss the op's returned logits can stand in for: the classifier's output,
-    and the last transform where every transform directly follows the classifier, casts to its own dtype aside
-    (the op then returns its logits transformed as the loss's; a transform after a real cast or a view would
-    leave the returned logits half done)."""
-    if not candidate.transforms:
-        return (candidate.classifier,)
+    """The nodes whose uses outside the loss the op's returned logits can stand in for: the classifier's output and
+    the copies and casts to its own dtype that directly follow it (OPT's ``lm_head(h).contiguous()``: the
+    classifier's values, which the op's logits are); and, where every transform follows the classifier through
+    such nodes only, the last transform and such nodes after it (the op then returns its logits transformed as the
+    loss's; a transform after a real cast or a view would leave the returned logits half done)."""
     dtype = tensor_value(candidate.classifier).dtype
-    seen = 0
+    total = len(candidate.transforms)
+    heads = [candidate.classifier]
+    done = 0  # transform nodes passed
     for node in candidate.path:
         if node in candidate.transforms:
-            seen += 1
-        elif view_kind(node) is not ViewKind.CAST or tensor_value(node).dtype != dtype:
+            done += 1
+            if done == total:
+                heads.append(node)
+        elif not _keeps_values(node, dtype):
             break
-        if seen == len(candidate.transforms):
-            return candidate.classifier, candidate.transforms[-1]
-    return (candidate.classifier,)
+        elif done in (0, total):
+            heads.append(node)
+    return tuple(heads)
+
+
+def _is_transformed(candidate: CceMatch, node: fx.Node) -> bool:
+    """Whether ``node`` of the chain comes at or after the last transform (holds the logits as the loss sees them)."""
+    if not candidate.transforms or node not in candidate.path:
+        return False
+    return candidate.path.index(node) >= candidate.path.index(candidate.transforms[-1])
+
+
+def _keeps_values(node: fx.Node, dtype: torch.dtype) -> bool:
+    """Whether the op's returned logits, a row-major tensor of their own, can stand in for ``node`` as for its input:
+    a cast to ``dtype`` itself, or a copy (``.contiguous()``, ``.clone()``) that asks for no other layout (a
+    ``channels_last`` copy does). The copy is not replayed on the op's logits: they are contiguous except where the
+    row-wise op returns its rows padded on CUDA (``cce.md``, returned logits), as it does for every head, and a
+    copy there would put a second N×V tensor beside them at the forward's end."""
+    kind = view_kind(node)
+    if kind is ViewKind.CAST:
+        return tensor_value(node).dtype == dtype
+    return kind is ViewKind.COPY and copy_memory_format(node) in (None, torch.contiguous_format)
 
 
 def _unservable_use(candidate: CceMatch, node: fx.Node, user: fx.Node) -> str:

@@ -16,6 +16,7 @@ from fxpass.graph import (
     ViewKind,
     bind_args,
     canonicalize_operator_methods,
+    copy_memory_format,
     describe_node,
     erase_unused,
     fake_mode_of,
@@ -58,7 +59,12 @@ def _views(x):
     q = x.to("cpu")
     r = x.t()
     s = x.to("meta")
-    return a, b, c, d, e, f, g, h, i, j, k, m, n, o, p, q, r, s
+    z = torch.clone(x)
+    u = torch.ops.aten.clone.default(x)
+    v = torch.ops.aten.contiguous.default(x)
+    w = x.clone(memory_format=torch.contiguous_format)
+    y = torch.Tensor.contiguous(x)
+    return a, b, c, d, e, f, g, h, i, j, k, m, n, o, p, q, r, s, u, v, w, y, z
 
 
 class TestViewKind:
@@ -82,6 +88,11 @@ class TestViewKind:
         "q": ViewKind.CAST,  # .to() that keeps device and layout counts as a cast (here: a no-op)
         "r": None,  # a transpose moves the class dimension; not a view kind
         "s": None,  # .to("meta") changes the device
+        "u": ViewKind.COPY,  # ATen's overloads called directly
+        "v": ViewKind.COPY,
+        "w": ViewKind.COPY,
+        "y": ViewKind.COPY,  # torch.Tensor.contiguous(x), recorded as x.contiguous()
+        "z": ViewKind.COPY,  # torch.clone, recorded as a function
     }
 
     @pytest.fixture(scope="class")
@@ -99,6 +110,24 @@ class TestViewKind:
 
     def test_placeholder(self, nodes):
         assert view_kind(nodes["l_x_"]) is None
+
+    # The layout each copy promises: ``contiguous`` the contiguous format, ``clone`` its input's unless told one; a
+    # cast or a reshape is no copy.
+    MEMORY_FORMATS = {  # noqa: RUF012
+        "d": torch.contiguous_format,
+        "e": None,
+        "u": None,
+        "v": torch.contiguous_format,
+        "w": torch.contiguous_format,
+        "y": torch.contiguous_format,
+        "z": None,
+        "a": None,
+        "f": None,
+    }
+
+    @pytest.mark.parametrize("name", sorted(MEMORY_FORMATS))
+    def test_copy_memory_format(self, nodes, name):
+        assert copy_memory_format(nodes[name]) is self.MEMORY_FORMATS[name]
 
 
 def _transposes(w, w3, wc):

@@ -41,6 +41,18 @@ def _llama() -> transformers.LlamaForCausalLM:
     return model
 
 
+def _opt() -> transformers.OPTForCausalLM:
+    """OPT, whose head returns ``self.lm_head(h).contiguous()``: a copy of the classifier's output, served as it."""
+    config = transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2,
+        max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, layerdrop=0.0, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+    )
+    model = transformers.OPTForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
 def _bert() -> transformers.BertForMaskedLM:
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -51,7 +63,7 @@ def _bert() -> transformers.BertForMaskedLM:
     return model
 
 
-MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert}
+MODELS = {"gpt2": _gpt2, "llama": _llama, "opt": _opt, "bert": _bert}
 
 
 def _batch(masked_lm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +198,19 @@ def test_whole_model_compile_returns_exact_logits(name, use_logits, options):
     model = MODELS[name]()
     ids, labels = _batch(masked_lm=name == "bert")
     _check_whole_model(model, ids, labels, use_logits, options)
+
+
+@pytest.mark.parametrize("options", [FAST, ROWWISE], ids=["with_logits", "rowwise"])
+def test_opt_returns_eagers_contiguous_logits(options):
+    """OPT's ``.contiguous()`` logits, the model compiled whole (fullgraph): the op's logits stand in for them,
+    eager's bits and contiguous, beside eager's loss and gradients."""
+    model = _opt()
+    ids, labels = _batch(masked_lm=False)
+    expected = model(input_ids=ids, labels=labels).logits
+    record = _check_whole_model(model, ids, labels, use_logits=True, options=options)
+    assert record.params["returned_logits_transformed"] is False
+    logits = torch.compile(model, backend="memopt", fullgraph=True, options=options)(input_ids=ids, labels=labels).logits
+    assert torch.equal(logits, expected) and logits.is_contiguous()
 
 
 def test_gpt2_as_built_compiles_whole():

@@ -532,13 +532,36 @@ def _log_sum_exp_of_other_rows():
 
 
 def _a_copy_of_the_logits_returned():
+    """Logits cast to another dtype on the way to the loss and returned so: the cast is a second N×V tensor."""
     weight, _ = _params()
 
     def fn(h, t):
-        logits = F.linear(h, weight).float()
+        logits = F.linear(h, weight).double()
         return logits, F.cross_entropy(logits.view(-1, V), t.view(-1))
 
     return fn, _rows(2, 3)
+
+
+def _logits_and_their_copy_returned():
+    weight, _ = _params()
+
+    def fn(h, t):
+        logits = F.linear(h, weight)
+        copy = logits.contiguous()
+        return logits, copy, F.cross_entropy(copy.view(-1, V), t.view(-1))
+
+    return fn, _rows(2, 3)
+
+
+def _a_channels_last_copy_returned():
+    """A copy into another layout than the op's row-major logits: not the classifier's output as the op returns it."""
+    weight, _ = _params()
+
+    def fn(h, t):
+        logits = F.linear(h, weight).contiguous(memory_format=torch.channels_last)
+        return logits, F.cross_entropy(logits.reshape(-1, V), t.view(-1))
+
+    return fn, _rows(2, 3, 2)
 
 
 def _returned_logits_with_shifted_loss_rows():
@@ -562,6 +585,8 @@ class TestDeclines:
             pytest.param(_small_head, {"force": False}, Expect("""cce applied=False proof=static: saving <bytes> against torch.compile (<bytes> saved for the backward, <bytes> transient) is below min_saved_bytes=1048576 for every shape"""), id="small_head_below_threshold"),
             pytest.param(_log_sum_exp_of_other_rows, {}, Expect("""cce applied=False proof=None: the logits are used outside the loss and the loss reads a subset of their rows (getitem (call_function getitem)); memopt.cce_with_logits needs the loss rows to be the logits' rows (shift the labels instead, as HF does)"""), id="log_sum_exp_of_other_rows"),
             pytest.param(_a_copy_of_the_logits_returned, {}, Expect("""cce applied=False proof=None: a copy of the logits (logits, made on the way to the loss) is returned from the compiled graph, so it stays alive and rewriting saves nothing; return the classifier's own output instead"""), id="a_copy_of_the_logits_returned"),
+            pytest.param(_a_channels_last_copy_returned, {}, Expect("""cce applied=False proof=None: a copy of the logits (logits, made on the way to the loss) is returned from the compiled graph, so it stays alive and rewriting saves nothing; return the classifier's own output instead"""), id="a_channels_last_copy_returned"),
+            pytest.param(_logits_and_their_copy_returned, {}, Expect("""cce applied=False proof=None: the logits are used outside the loss as copies of one another (copy, logits); memopt's ops return one of them"""), id="logits_and_their_copy_returned"),
             pytest.param(_returned_logits_with_shifted_loss_rows, {}, Expect("""cce applied=False proof=None: the logits are used outside the loss and the loss reads a subset of their rows (getitem (call_function getitem)); memopt.cce_with_logits needs the loss rows to be the logits' rows (shift the labels instead, as HF does)"""), id="returned_logits_with_shifted_loss_rows"),
         ],
     )
@@ -1225,6 +1250,98 @@ class GraphModule(torch.nn.Module):
 
         ex = _check_numerics(fn, [hidden, weight], hidden, torch.randint(0, V, (6,)))
         assert ex.records[0].params["logit_divisor"] == DIVISOR
+
+
+# --- copies of the classifier's output ---------------------------------------------------------------------------
+
+# Copies of the classifier's output as models write them and Dynamo records them: OPT's ``lm_head(h).contiguous()``
+# (a method call, however spelled), clones, ATen's overloads called directly, and a cast to the logits' own dtype.
+COPIES = {
+    "contiguous": lambda x: x.contiguous(),
+    "Tensor.contiguous": lambda x: torch.Tensor.contiguous(x),
+    "clone": lambda x: x.clone(),
+    "torch.clone": lambda x: torch.clone(x),
+    "aten.clone": lambda x: torch.ops.aten.clone.default(x),
+    "aten.contiguous": lambda x: torch.ops.aten.contiguous.default(x),
+    "same_dtype_cast": lambda x: x.float(),
+    "contiguous_then_cast": lambda x: x.contiguous().float(),
+}
+
+
+def _copied_head(copy, weight):
+    """transformers' causal-LM loss over logits ``copy`` made of the classifier's output, returned beside it."""
+
+    def fn(h, labels):
+        logits = copy(F.linear(h, weight))
+        shift = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return logits, F.cross_entropy(logits.float().view(-1, V), shift.view(-1))
+
+    return fn
+
+
+class TestCopiedHead:
+    """A copy of the classifier's output is still its output: where the graph returns the copy, the op's logits stand
+    in for it, eager's bits and contiguous (off CUDA every op returns them so), and their gradient reaches the
+    classifier."""
+
+    def test_opt_head(self):
+        """OPT's ``self.lm_head(h).contiguous()``: the op's logits are returned in place of the copy."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        ex = _check_returned(_copied_head(COPIES["contiguous"], weight), [hidden, weight], hidden, _labels(),
+                             second_loss=_z_loss)
+        assert ex.records[0].params["returned_logits_transformed"] is False
+        assert_expected_inline(after_code(ex), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_h_: "f32[2, 3, 8]cpu", L_weight_: "f32[40, 8]cpu", L_labels_: "i64[2, 3]cpu"):
+        l_h_ = L_h_
+        l_weight_ = L_weight_
+        l_labels_ = L_labels_
+        pad: "i64[2, 4]cpu" = torch._C._nn.pad(l_labels_, (0, 1), 'constant', -100);  l_labels_ = None
+        getitem: "i64[2, 3]cpu" = pad[(Ellipsis, slice(1, None, None))];  pad = None
+        shift: "i64[2, 3]cpu" = getitem.contiguous();  getitem = None
+        view_1: "i64[6]cpu" = shift.view(-1);  shift = None
+        reshape: "f32[6, 8]cpu" = l_h_.reshape(-1, 8);  l_h_ = None
+        cce_with_logits_default = torch.ops.memopt.cce_with_logits.default(reshape, l_weight_, None, view_1, -100, 'mean', 0.0, None, True);  l_weight_ = view_1 = None
+        getitem_1: "f32[]cpu" = cce_with_logits_default[0]
+        getitem_2: "f32[6, 40]cpu" = cce_with_logits_default[2];  cce_with_logits_default = None
+        view_2: "f32[2, 3, 40]cpu" = getitem_2.view(2, 3, -1);  getitem_2 = None
+        return (view_2, getitem_1, reshape)""")
+
+    @pytest.mark.parametrize("variant", ["auto", "rowwise"])
+    @pytest.mark.parametrize("copy", list(COPIES))
+    def test_returned_copy(self, copy, variant):
+        """Each spelling of a copy, served by ``cce_with_logits`` and by the row-wise op: eager's logits bit for bit
+        and contiguous, eager's loss, and the gradients of the loss alone and of a second loss on the logits."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        fn = _copied_head(COPIES[copy], weight)
+        labels = _labels()
+        ex = _check_returned(fn, [hidden, weight], hidden, labels, second_loss=_z_loss, cce_variant=variant)
+        record = ex.records[0]
+        assert record.applied, record.reason
+        assert record.params["returns_logits"] is True and record.params["returned_logits_transformed"] is False
+        assert record.params["variant"] == ("rowwise" if variant == "rowwise" else "with_logits")
+        logits = ex.result[0]
+        assert torch.equal(logits, fn(hidden, labels)[0]) and logits.is_contiguous()
+
+    @pytest.mark.parametrize("where", ["before", "after"])
+    def test_a_copy_beside_the_transform(self, where):
+        """A copy before the scale and softcap, or of the transformed logits: the op returns them transformed."""
+        weight, _ = _params()
+        hidden = torch.randn(2, 3, D, requires_grad=True)
+        transform = _transformed("mul_softcap")
+
+        def fn(h, labels):
+            logits = F.linear(h, weight)
+            logits = transform(logits.contiguous()) if where == "before" else transform(logits).contiguous()
+            shift = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+            return logits, F.cross_entropy(logits.float().view(-1, V), shift.view(-1))
+
+        labels = _labels()
+        ex = _check_returned(fn, [hidden, weight], hidden, labels, second_loss=_z_loss)
+        assert ex.records[0].params["returned_logits_transformed"] is True
+        assert torch.equal(ex.result[0], fn(hidden, labels)[0])
 
 
 def _scaled_after_the_softcap(weight):
