@@ -328,3 +328,16 @@ def test_a_laptop_prices_grouped_sdpa_with_the_repeated_heads_cuda_saves():
     (sdpa,) = [n for n in gpu.graph_module.graph.nodes if n.target in SDPA_TARGETS]
     assert sdpa.kwargs["enable_gqa"] is True
     assert compiled_cost.with_cuda_sdpa_grouping(gpu.graph_module) is not gpu.graph_module
+
+
+def test_flops_are_the_gemms_of_each_partitioned_graph():
+    """torch's flop-counter formulas over the partitioned graphs: the forward's one [64, 32] @ [32, 16] GEMM, and
+    the backward's two (the gradients of both operands); recomputation would show as more backward FLOPs."""
+
+    def step(x, w):
+        return ((x @ w).relu(),)
+
+    x, w = torch.randn(64, 32, requires_grad=True), torch.randn(32, 16, requires_grad=True)
+    cost = compiled_cost.compiled_cost(fx.symbolic_trace(step), [x, w])
+    assert shapes.hint(cost.forward_flops) == 2 * 64 * 32 * 16
+    assert shapes.hint(cost.backward_flops) == 2 * (2 * 64 * 32 * 16)
