@@ -148,14 +148,15 @@ class MemoptBackend:
         report = self._rewrite_and_plan(gm, original, exact, example_inputs, keep_code)
         plan = report.budget
         if approximate and isinstance(plan, budget.BudgetPlan) and not (plan.met and not plan.measures):
+            rewritten = gm.graph
             gm.graph = copy_graph(original)
             sampled = self._rewrite_and_plan(gm, original, config, example_inputs, keep_code)
             if _sampling_is_better(sampled, plan):
                 sampled.budget = budget.with_wta_crs(sampled.budget, plan, sampled.records)
                 budget.apply(gm, sampled.budget)
                 return sampled
-            gm.graph = copy_graph(original)  # the exact graph and its plan again
-            report = self._rewrite_and_plan(gm, original, exact, example_inputs, keep_code)
+            gm.graph = rewritten  # the exact graph back, with its report and plan (no second rewrite or plan)
+            gm.recompile()
         if approximate:
             met = isinstance(report.budget, budget.BudgetPlan) and report.budget.met
             report.records = [_not_needed(record, met) for record in report.records]
