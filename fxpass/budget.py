@@ -51,7 +51,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from fxpass import checkpoint, shapes
 from fxpass.compiled_cost import CompiledCost, _module_path, compiled_cost, partitioned_under
-from fxpass.graph import copy_graph
+from fxpass.graph import bind_args, bind_sdpa, copy_graph
 from fxpass.notes import error_note
 
 log = logging.getLogger(__name__)
@@ -223,15 +223,15 @@ def draws_randomly(node: fx.Node) -> bool:
     target = node.target
     if target in _RANDOM_FUNCTIONS:
         return True
-    if target is torch.nn.functional.scaled_dot_product_attention:
-        probability = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        return not isinstance(probability, (int, float)) or probability > 0
+    sdpa = bind_sdpa(node)
+    if sdpa is not None:
+        return _may_drop(sdpa["dropout_p"])
     if target is operator.getitem:  # a result of a draw is kept with it
         return isinstance(node.args[0], fx.Node) and draws_randomly(node.args[0])
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         if target.namespace == "memopt":
             name = target.__name__.split(".")[0]
-            return name in ("wta_crs_sample", "wta_crs_draw") or (name == "flash_attention" and _dropout(node) > 0)
+            return name in ("wta_crs_sample", "wta_crs_draw") or (name == "flash_attention" and _drops_out(node))
         return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
     return False
 
@@ -246,10 +246,16 @@ def _samples_rows(node: fx.Node) -> bool:
     )
 
 
-def _dropout(node: fx.Node) -> float:
-    """memopt's attention op's ``dropout_p`` (its seventh argument)."""
-    value = node.kwargs.get("dropout_p", node.args[6] if len(node.args) > 6 else 0.0)
-    return value if isinstance(value, (int, float)) else 1.0  # a traced probability: assume it draws
+def _drops_out(node: fx.Node) -> bool:
+    """Whether memopt's attention op ``node`` draws a dropout mask, its arguments bound by the op's schema."""
+    schema = getattr(node.target, "_schema", None) or node.target.default._schema
+    bound = bind_args(node, [argument.name for argument in schema.arguments])
+    return bound is None or _may_drop(bound.get("dropout_p", 0.0))
+
+
+def _may_drop(probability: Any) -> bool:
+    """A dropout probability above 0, or one traced (not known here: assume it draws)."""
+    return not isinstance(probability, (int, float)) or probability > 0
 
 
 def apply(gm: fx.GraphModule, plan: BudgetPlan | str | None) -> None:
@@ -277,11 +283,6 @@ def _price(
     with partitioned_under(setting):
         cost = compiled_cost(module, list(example_inputs), device)
     return _Priced(graph_peak(cost), shapes.hint(cost.forward_flops) + shapes.hint(cost.backward_flops), cost)
-
-
-def peak_under(gm: fx.GraphModule, example_inputs: Sequence[Any], device: str | None, setting: float) -> int:
-    """The graph's simulated peak when AOTAutograd partitions it under ``activation_memory_budget=setting``."""
-    return _price(gm, example_inputs, device, setting, ()).peak
 
 
 # The settings tried first; the search then bisects between the largest that meets the budget and the next above.

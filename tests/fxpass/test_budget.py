@@ -4,6 +4,7 @@ recomputation changes no numbers; a budget out of reach is reported, never raise
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 import torch
@@ -316,6 +317,17 @@ def test_random_draws_are_kept_not_drawn_again():
     gm = torch.fx.symbolic_trace(Noisy())
     drawn = {node.name for node in gm.graph.nodes if budget.draws_randomly(node)}
     assert drawn == {"dropout", "rand_like", "scaled_dot_product_attention", "bernoulli"}
+
+    import lowerings.flash_attention.op  # noqa: F401  (registers memopt::flash_attention)
+
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    attention = torch.ops.memopt.flash_attention.default
+    dropped = graph.call_function(attention, (q, k, v, None, 0.125, True, 0.1))
+    by_name = graph.call_function(attention, (q, k, v, None, 0.125, True), {"dropout_p": 0.1})
+    exact = graph.call_function(attention, (q, k, v, None, 0.125, True, 0.0))
+    seed = graph.call_function(operator.getitem, (dropped, 2))
+    assert [budget.draws_randomly(node) for node in (dropped, by_name, exact, seed)] == [True, True, False, True]
 
 
 @pytest.mark.slow
