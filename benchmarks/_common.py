@@ -187,6 +187,11 @@ def _site(frames: list[dict]) -> str:
     return "(torch internals)"
 
 
+def ratio(ours: float | None, theirs: float | None) -> str:
+    """``ours / theirs`` for a table, two decimals; "-" where either is missing (or ``theirs`` is 0)."""
+    return "-" if ours is None or not theirs else f"{ours / theirs:.2f}"
+
+
 def header(title: str, device: torch.device) -> str:
     """``title``, today's date, the device's name and torch's version: the first line of every report."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import e2e, max_batch
-from benchmarks._common import error_note, header, release_memory, set_up, write_report
+from benchmarks._common import error_note, header, ratio, release_memory, set_up, write_report
 
 log = logging.getLogger("benchmarks.budget")
 
@@ -113,10 +113,6 @@ def run(args: argparse.Namespace) -> list[Result]:
     return results
 
 
-def _ratio(ours: float | None, theirs: float | None) -> str:
-    return "-" if ours is None or not theirs else f"{ours / theirs:.2f}"
-
-
 def table(results: list[Result]) -> str:
     baseline = next((r.row for r in results if r.configuration == max_batch.BASELINE and not r.row.error), None)
     lines = [
@@ -133,9 +129,9 @@ def table(results: list[Result]) -> str:
         step = f"{row.step_ms:.1f}" if row.step_ms is not None else "-"
         predicted = f"{result.predicted_mib:.0f}" if result.predicted_mib is not None else "-"
         lines.append(
-            f"| {result.configuration} | {peak} | {_ratio(row.peak_mib, baseline and baseline.peak_mib)} | {step} "
-            f"| {_ratio(row.step_ms, baseline and baseline.step_ms)} | {predicted} | "
-            f"{_ratio(result.predicted_mib, row.peak_mib)} | {result.plan} | {row.first_call_s or 0:.0f} |"
+            f"| {result.configuration} | {peak} | {ratio(row.peak_mib, baseline and baseline.peak_mib)} | {step} "
+            f"| {ratio(row.step_ms, baseline and baseline.step_ms)} | {predicted} | "
+            f"{ratio(result.predicted_mib, row.peak_mib)} | {result.plan} | {row.first_call_s or 0:.0f} |"
         )
     predicted = next((r.predicted_torch_compile_mib for r in results if r.predicted_torch_compile_mib), None)
     if predicted and baseline is not None and baseline.peak_mib:

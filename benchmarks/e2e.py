@@ -46,6 +46,7 @@ from benchmarks._common import (
     header,
     in_turns,
     peak_mib,
+    ratio,
     release_memory,
     set_up,
     write_report,
@@ -288,10 +289,6 @@ def run_case(name, attention, dropout, flow, args, device, checkpointing: str = 
     return rows
 
 
-def _ratio(ours: float | None, theirs: float | None) -> str:
-    return "-" if ours is None or not theirs else f"{ours / theirs:.2f}"
-
-
 def table(rows: list[Row]) -> str:
     """One line per case: torch.compile's and memopt's figures, and memopt / torch.compile."""
     lines = [
@@ -311,10 +308,10 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {model} | {attention} | {dropout} | {checkpointing} | {flow} | {next(iter(pair.values())).tokens} | "
             f"{fmt(get(base, 'step_ms'), '.1f')} | {fmt(get(ours, 'step_ms'), '.1f')} | "
-            f"{_ratio(get(ours, 'step_ms'), get(base, 'step_ms'))} | "
+            f"{ratio(get(ours, 'step_ms'), get(base, 'step_ms'))} | "
             f"{fmt(get(base, 'tokens_per_s'), '.0f')} | {fmt(get(ours, 'tokens_per_s'), '.0f')} | "
             f"{fmt(get(base, 'peak_mib'), '.0f')} | {fmt(get(ours, 'peak_mib'), '.0f')} | "
-            f"{_ratio(get(ours, 'peak_mib'), get(base, 'peak_mib'))} | "
+            f"{ratio(get(ours, 'peak_mib'), get(base, 'peak_mib'))} | "
             f"{fmt(get(base, 'first_call_s'), '.0f')} / {fmt(get(ours, 'first_call_s'), '.0f')} | "
             f"{get(ours, 'rewrites') or '-'}{' — ' + errors if errors else ''} |"
         )

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fxpass
-from benchmarks._common import recorded_peak, release_memory, set_up
+from benchmarks._common import ratio, recorded_peak, release_memory, set_up
 
 log = logging.getLogger("memory_model")
 
@@ -216,12 +216,6 @@ def run(name: str, args, device: torch.device) -> list[Row]:
     return rows
 
 
-def _ratio(predicted: int | None, measured: int | None) -> str:
-    if predicted is None or measured is None or measured == 0:
-        return "-"
-    return f"{predicted / measured:.2f}"
-
-
 def _mib(value: int | None) -> str:
     return "-" if value is None else f"{value / MIB:.1f}"
 
@@ -240,10 +234,10 @@ def table(rows: list[Row]) -> str:
         p, m = r.predicted_saved or {}, r.measured_saved or {}
         lines.append(
             f"| {r.model} | {r.rules} | {_mib(p.get('torch.compile'))} / {_mib(m.get('torch.compile'))} | "
-            f"{_ratio(p.get('torch.compile'), m.get('torch.compile'))} | {_mib(p.get('memopt'))} / "
-            f"{_mib(m.get('memopt'))} | {_ratio(p.get('memopt'), m.get('memopt'))} | {_mib(r.predicted_drop)} / "
-            f"{_mib(r.measured_drop)} | {_ratio(r.predicted_drop, r.measured_drop)} | {_mib(r.simulated_drop)} | "
-            f"{_ratio(r.simulated_drop, r.measured_drop)} |"
+            f"{ratio(p.get('torch.compile'), m.get('torch.compile'))} | {_mib(p.get('memopt'))} / "
+            f"{_mib(m.get('memopt'))} | {ratio(p.get('memopt'), m.get('memopt'))} | {_mib(r.predicted_drop)} / "
+            f"{_mib(r.measured_drop)} | {ratio(r.predicted_drop, r.measured_drop)} | {_mib(r.simulated_drop)} | "
+            f"{ratio(r.simulated_drop, r.measured_drop)} |"
         )
     return "\n".join(lines)
 
